@@ -1,0 +1,84 @@
+"""The environment protocol every target and synthetic environment implements.
+
+An :class:`EnvSuite` is a set of tasks (benchmark tasks, or seeds of a synthetic generator) and a
+factory of :class:`Episode` objects. An episode is stepped one assistant message at a time, so a
+rollout runner can keep many episodes side by side and batch their model calls:
+
+    ep = suite.episode(task)
+    obs = ep.reset()                       # policy/system prompt, tool schemas, first messages
+    while not done:
+        reply = model(obs.messages + history, tools=obs.tools)
+        step = ep.step(reply)              # tool results and/or the user's reply
+    outcome = ep.outcome()                 # reward in [0, 1] (or continuous), success label
+
+Rewards may be continuous (ToolSandbox similarity) with success a separate binary label; an episode
+may have no simulated user; evaluation may be slow, so suites say nothing about threading and the
+runner decides.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracekit.types import Message, Task
+
+
+@dataclass
+class Observation:
+    """What the agent sees at the start of an episode."""
+
+    messages: list[Message]  # system (policy) message first, then any opening user message
+    tools: list[dict[str, Any]]  # OpenAI function-format tool schemas, exactly as the target defines them
+
+
+@dataclass
+class StepResult:
+    messages: list[Message]  # new messages after the agent's action: tool results, user reply
+    done: bool = False
+    termination: str = ""  # why the episode ended (e.g. user_stop, agent_stop, max_steps)
+
+
+@dataclass
+class Outcome:
+    reward: float
+    success: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Episode(ABC):
+    """One running episode of an environment."""
+
+    @abstractmethod
+    def reset(self) -> Observation: ...
+
+    @abstractmethod
+    def step(self, action: Message) -> StepResult:
+        """Apply one assistant message (text and/or tool calls).
+
+        Malformed or unknown tool calls must come back as tool error messages the agent can see,
+        never as an exception.
+        """
+
+    @abstractmethod
+    def outcome(self) -> Outcome:
+        """Reward and success of the episode so far (called once it is done or cut off)."""
+
+
+class EnvSuite(ABC):
+    """A named environment: its tasks and a factory of episodes."""
+
+    name: str
+
+    @abstractmethod
+    def tasks(self) -> list[Task]:
+        """The tasks this suite is configured to run (after split/subset selection)."""
+
+    @abstractmethod
+    def episode(self, task: Task, seed: int = 0) -> Episode:
+        """A fresh episode of ``task``; ``seed`` drives any randomness (e.g. the user simulator)."""
+
+    def interface(self) -> dict[str, Any]:
+        """Tool schemas and policy text, for interface-preservation checks and generation prompts."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its interface")
