@@ -1,0 +1,55 @@
+"""Helpers shared by the LLM analysis calls: versioned prompt files, JSON extraction, schemas."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import cache
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from pydantic import BaseModel
+
+PROMPT_DIR = Path(__file__).parent / "prompts"
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+
+
+@cache
+def load_prompt(name: str) -> tuple[Template, str]:
+    """The prompt template ``prompts/<name>.txt`` ($-placeholders) and its sha256 (first 12 hex)."""
+    path = PROMPT_DIR / f"{name}.txt"
+    if not path.exists():
+        raise FileNotFoundError(f"analysis prompt {name!r} not found at {path}")
+    text = path.read_text(encoding="utf-8")
+    return Template(text), hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def extract_json(text: str) -> Any:
+    """The first JSON object in a model reply (inside a ``` fence if there is one).
+
+    Raises ``ValueError`` with a short reason when there is none: the reason is fed back to the
+    model on retry.
+    """
+    m = _FENCE.search(text)
+    body = m.group(1) if m else text
+    start = body.find("{")
+    if start < 0:
+        raise ValueError("the reply contains no JSON object (expected one starting with '{')")
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(body[start:])
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the reply is not valid JSON: {e.msg} at char {e.pos}") from None
+    return obj
+
+
+def response_format(model: type[BaseModel], name: str) -> dict[str, Any]:
+    """OpenAI-style ``response_format`` for a JSON schema (backends that cannot enforce it ignore it)."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": model.model_json_schema()}}
+
+
+def short_error(e: Exception, limit: int = 600) -> str:
+    """A validation error as a compact message for the retry prompt and the report."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

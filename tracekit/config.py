@@ -1,0 +1,284 @@
+"""Structured configs (types for every Hydra group) and value checks that run before any work.
+
+Hydra composes ``conf/config.yaml`` over the ``Config`` schema registered here, so a typo'd key or a
+wrongly typed value fails at composition; :func:`validate` then checks ranges and cross-field rules
+and raises :class:`ConfigError` with one line naming the key and its valid range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+STAGES = ("rollout", "discover", "label", "select", "synthesize", "train", "compose", "evaluate")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value (message: one line naming the key and the valid range)."""
+
+
+@dataclass
+class BenchmarkConfig:
+    name: str = MISSING  # tau2_airline | tau2_retail | tau2 | ...
+    kind: str = "tau2"  # adapter family
+    domains: list[str] = field(default_factory=list)
+    split: str = "test"  # train | test | base (tau2's split_tasks.json)
+    task_ids: list[str] | None = None  # explicit subset (ids as the benchmark names them)
+    limit: int | None = None  # first-n tasks per domain after split/subset
+    policy: str = "full"  # full: tau2's own policy text
+
+
+@dataclass
+class BackboneConfig:
+    name: str = MISSING
+    source: str = MISSING  # tiny | gguf | hub
+    hf_id: str | None = None
+    chat_format: str = "qwen3"  # qwen3 | smollm2
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: str = "auto"
+    arch: dict[str, Any] = field(default_factory=dict)  # architecture numbers (meta/random builds)
+
+
+@dataclass
+class AgentConfig:
+    kind: str = "llm"  # llm | gold
+    max_new_tokens: int = 256
+    constrained_tool_calls: bool = False
+    batch_size: int = 8
+
+
+@dataclass
+class UserConfig:
+    kind: str = "scripted"  # scripted | llm
+    endpoint: str = "user"  # key into llm.endpoints for kind=llm
+    max_turns: int = 10
+
+
+@dataclass
+class ThresholdsConfig:
+    delta: float = 0.20  # contrastive gap ER- - ER+ (paper sec. 3.3)
+    rho: float = 0.10  # failure coverage
+    k: int = 8  # keep a capability selected in at least k ...
+    n: int = 10  # ... of n independent labeling runs
+
+
+@dataclass
+class AnalysisConfig:
+    discovery: str = "reference"  # reference (fixed tau2 dictionary) | llm | pinned
+    labeler: str = "reference"  # reference | llm
+    dictionary_path: str | None = None  # for discovery=pinned
+    endpoint: str = "analysis"
+    temperature: float = 0.7
+    capabilities_per_call: int = 10
+    max_retries: int = 2
+    on_missing: str = "skip"  # skip | fail
+    compact_chars: int = 6000
+    label_noise: float = 0.0  # reference labeler: seeded flip rate emulating annotator variance
+    examples_per_capability: int = 3
+
+
+@dataclass
+class SynthesisConfig:
+    source: str = "library"  # library | generate
+    endpoint: str = "generation"
+    repair_rounds: int = 3
+    mutation_rounds: int = 5
+    validation_seeds: int = 50
+    calibrate: bool = False
+    calibration_seeds: int = 4
+    calibration_k: int = 16
+    target_low: float = 0.2
+    target_high: float = 0.6
+    min_informative: float = 0.5
+    difficulty: int = 1
+    cpu_seconds: int = 30
+    wall_seconds: int = 60
+    memory_mb: int = 2048
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class GrpoConfig:
+    lr: float = 1e-5
+    iterations: int = 40
+    groups: int = 8  # G seeds per iteration
+    group_size: int = 8  # K rollouts per seed
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    adv_eps: float = 1e-6
+    kl_beta: float = 0.0
+    tis_cap: float | None = None  # truncated importance sampling (vLLM vs torch numerics); off
+    dynamic_resampling: bool = False
+    max_steps: int = 10
+    max_new_tokens: int = 256
+    grad_clip: float = 1.0
+    gradient_checkpointing: bool = True
+    microbatch_tokens: int = 4096
+    checkpoint_every: int = 5
+    engine: str = "hf"  # hf | vllm
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class MoeConfig:
+    lambda_lb: float = 0.05
+    top_k: int = 1  # inference routing
+    train_top_k: int | None = None  # None: dense softmax mixture while training (the paper's formula)
+    base_slot: bool = False
+    lr: float = 1e-3
+    steps: int = 200
+    batch_size: int = 4
+    trajectories_per_capability: int = 32
+
+
+@dataclass
+class ConsolidationConfig:
+    method: str = "moe"  # moe | merge_ties | merge_core_tsv | multi_grpo | sft_synthetic | on_policy_distill
+
+
+@dataclass
+class EndpointConfig:
+    kind: str = "hf"  # hf (the configured backbone, in process) | openai
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    concurrency: int = 8
+
+
+@dataclass
+class LlmConfig:
+    endpoints: dict[str, EndpointConfig] = field(default_factory=dict)
+
+
+@dataclass
+class EvalConfig:
+    mode: str = "greedy"  # greedy (T=0, seed 42) | stochastic (T=0.7, 3 seeds, mean +- 95% CI)
+    temperature: float = 0.0
+    seeds: list[int] = field(default_factory=lambda: [42])
+    max_steps: int = 50
+    context_budget: int = 32000
+    batch_size: int = 8
+
+
+@dataclass
+class LauncherConfig:
+    kind: str = "local"  # local | deepspeed_zero2 | deepspeed_zero3
+    nproc: int = 1
+    zero_stage: int = 0
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"  # wandb | none
+    project: str = "tracekit"
+    mode: str = "offline"
+    entity: str | None = None
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = MISSING
+    cache_dir: str = MISSING
+    run_dir: str = MISSING
+
+
+@dataclass
+class Config:
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    user: UserConfig = field(default_factory=UserConfig)
+    thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    synthesis: SynthesisConfig = field(default_factory=SynthesisConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    consolidation: ConsolidationConfig = field(default_factory=ConsolidationConfig)
+    llm: LlmConfig = field(default_factory=LlmConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    experiment: Any = None
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    seed: int = 42
+    name: str = "default"
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="tracekit_schema", node=Config)
+
+
+def _check(ok: bool, key: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: must be {valid}")
+
+
+def _choice(cfg: DictConfig, key: str, options: tuple[str, ...]) -> None:
+    value = OmegaConf.select(cfg, key)
+    _check(value in options, key, value, "one of " + ", ".join(options))
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check ranges and cross-field rules; raise ConfigError (one line) on the first problem."""
+    t = cfg.thresholds
+    for key in ("delta", "rho"):
+        _check(0.0 <= t[key] <= 1.0, f"thresholds.{key}", t[key], "in [0, 1]")
+    _check(t.n >= 1, "thresholds.n", t.n, ">= 1")
+    _check(1 <= t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
+    for stage in cfg.stages:
+        _check(stage in STAGES, "stages", stage, "a list of " + ", ".join(STAGES))
+    _choice(cfg, "benchmark.split", ("train", "test", "base"))
+    _choice(cfg, "backbone.source", ("tiny", "gguf", "hub"))
+    _choice(cfg, "agent.kind", ("llm", "gold"))
+    _choice(cfg, "user.kind", ("scripted", "llm"))
+    _choice(cfg, "analysis.discovery", ("reference", "llm", "pinned"))
+    _choice(cfg, "analysis.labeler", ("reference", "llm"))
+    _choice(cfg, "analysis.on_missing", ("skip", "fail"))
+    if cfg.analysis.discovery == "pinned":
+        _check(bool(cfg.analysis.dictionary_path), "analysis.dictionary_path", None, "a file when discovery=pinned")
+    _check(0.0 <= cfg.analysis.label_noise <= 1.0, "analysis.label_noise", cfg.analysis.label_noise, "in [0, 1]")
+    _choice(cfg, "synthesis.source", ("library", "generate"))
+    g = cfg.grpo
+    for key in ("groups", "group_size", "iterations", "max_steps", "max_new_tokens", "microbatch_tokens"):
+        _check(g[key] >= 1, f"grpo.{key}", g[key], ">= 1")
+    _check(g.group_size >= 2, "grpo.group_size", g.group_size, ">= 2 (group-normalized advantages need K >= 2)")
+    _check(g.lr > 0, "grpo.lr", g.lr, "> 0")
+    _check(g.temperature > 0, "grpo.temperature", g.temperature, "> 0 (GRPO samples)")
+    _check(0 < g.clip_eps < 1, "grpo.clip_eps", g.clip_eps, "in (0, 1)")
+    _check(g.kl_beta >= 0, "grpo.kl_beta", g.kl_beta, ">= 0")
+    _check(g.lora.rank >= 1, "grpo.lora.rank", g.lora.rank, ">= 1")
+    _check(0.0 <= g.lora.dropout < 1.0, "grpo.lora.dropout", g.lora.dropout, "in [0, 1)")
+    _choice(cfg, "grpo.engine", ("hf", "vllm"))
+    m = cfg.moe
+    _check(m.lambda_lb >= 0, "moe.lambda_lb", m.lambda_lb, ">= 0")
+    _check(m.top_k >= 1, "moe.top_k", m.top_k, ">= 1")
+    _choice(cfg, "consolidation.method", ("moe", "merge_ties", "merge_core_tsv", "multi_grpo", "sft_synthetic", "on_policy_distill"))
+    _choice(cfg, "eval.mode", ("greedy", "stochastic"))
+    _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")
+    _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
+    _check(cfg.eval.max_steps >= 1, "eval.max_steps", cfg.eval.max_steps, ">= 1")
+    _check(cfg.eval.context_budget >= 256, "eval.context_budget", cfg.eval.context_budget, ">= 256 tokens")
+    _choice(cfg, "launcher.kind", ("local", "deepspeed_zero2", "deepspeed_zero3"))
+    _check(cfg.launcher.nproc >= 1, "launcher.nproc", cfg.launcher.nproc, ">= 1")
+    _choice(cfg, "logger.kind", ("wandb", "none"))
+    _choice(cfg, "logger.mode", ("offline", "online", "disabled"))
+    for name, ep in cfg.llm.endpoints.items():
+        _choice(cfg, f"llm.endpoints.{name}.kind", ("hf", "openai"))
+        if ep.kind == "openai":
+            _check(bool(ep.base_url), f"llm.endpoints.{name}.base_url", ep.base_url, "set for kind=openai")
