@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tracekit.types import Message, Trajectory
+
+if TYPE_CHECKING:
+    from tracekit.llm.base import ChatClient
 
 
 @dataclass(frozen=True)
@@ -169,3 +173,10 @@ def compact_many(
         used_tokens += n_tok
         included.append(t.uid)
     return "\n\n".join(parts), included
+
+
+def token_counter(client: ChatClient | None) -> Callable[[str], int] | None:
+    """``text -> tokens`` with the client's tokenizer (as one user message), or None without a client."""
+    if client is None:
+        return None
+    return lambda text: client.count_tokens([Message(role="user", content=text)])

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tracekit.llm.base import ChatResponse
+
 PROMPT_DIR = Path(__file__).parent / "prompts"
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 
@@ -44,12 +46,17 @@ def extract_json(text: str) -> Any:
     return obj
 
 
+def reply_text(resp: ChatResponse) -> str:
+    """A reply's answer text: the client's parsed content (reasoning blocks stripped) if any, else the raw text."""
+    return resp.message.content if resp.message.content is not None else resp.text
+
+
 def response_format(model: type[BaseModel], name: str) -> dict[str, Any]:
     """OpenAI-style ``response_format`` for a JSON schema (backends that cannot enforce it ignore it)."""
     return {"type": "json_schema", "json_schema": {"name": name, "schema": model.model_json_schema()}}
 
 
-def short_error(e: Exception, limit: int = 600) -> str:
-    """A validation error as a compact message for the retry prompt and the report."""
+def short_error(e: object, limit: int = 600) -> str:
+    """An error (or any object) as a compact one-line message for the retry prompt and the report."""
     text = " ".join(str(e).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -31,6 +31,8 @@ class Observation:
 
     messages: list[Message]  # system (policy) message first, then any opening user message
     tools: list[dict[str, Any]]  # OpenAI function-format tool schemas, exactly as the target defines them
+    done: bool = False  # the episode ended before the agent's first action (e.g. the user stopped at once)
+    termination: str = ""
 
 
 @dataclass
@@ -79,6 +81,25 @@ class EnvSuite(ABC):
     def episode(self, task: Task, seed: int = 0) -> Episode:
         """A fresh episode of ``task``; ``seed`` drives any randomness (e.g. the user simulator)."""
 
+    def reset_batch(self, episodes: list[Episode]) -> list[Observation | Exception]:
+        """Reset many episodes; an episode that raises yields its exception, the others are unaffected.
+
+        Suites whose episodes call a model themselves (a simulated user) override this and
+        :meth:`step_batch` to batch those calls across episodes.
+        """
+        return [_capture(ep.reset) for ep in episodes]
+
+    def step_batch(self, episodes: list[Episode], actions: list[Message]) -> list[StepResult | Exception]:
+        """Step many episodes with one action each (same exception convention as :meth:`reset_batch`)."""
+        return [_capture(ep.step, a) for ep, a in zip(episodes, actions, strict=True)]
+
     def interface(self) -> dict[str, Any]:
         """Tool schemas and policy text, for interface-preservation checks and generation prompts."""
         raise NotImplementedError(f"{type(self).__name__} does not describe its interface")
+
+
+def _capture(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed back to the runner, which records it on the episode
+        return e

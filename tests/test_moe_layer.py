@@ -1,0 +1,154 @@
+"""LoRAMoELinear math: routing weights, dense mixture, grouped vs masked-dense top-k, rank padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tracekit.moe.layer import (
+    BlockRouting,
+    LoRAMoELinear,
+    RoutingSpec,
+    masked_topk_probs,
+    topk_weights,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny matmuls on a busy 2-core machine are ~30x faster single-threaded
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def _bank(ranks, d_in=6, d_out=5, seed=0, base_slot=False, spec=RoutingSpec(1)):
+    g = torch.Generator().manual_seed(seed)
+    base = nn.Linear(d_in, d_out, bias=True)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(d_out, d_in, generator=g))
+        base.bias.copy_(torch.randn(d_out, generator=g))
+    factors = [(torch.randn(r, d_in, generator=g), torch.randn(d_out, r, generator=g)) for r in ranks]
+    scales = [0.5 + i for i in range(len(ranks))]
+    routing = BlockRouting(len(ranks), base_slot, spec)
+    return LoRAMoELinear(base, factors, scales, routing), factors, scales
+
+
+def _explicit(x, base, factors, scales, w):
+    """W x + b + sum_c w[:, c] * s_c * B_c A_c x, term by term."""
+    out = x @ base.weight.T + base.bias
+    for c, ((A, B), s) in enumerate(zip(factors, scales)):
+        out = out + w[:, c : c + 1] * s * (x @ A.T @ B.T)
+    return out
+
+
+def test_topk_weights_raw_and_renormalized():
+    p = torch.tensor([[0.2, 0.5, 0.3]])
+    w, idx = topk_weights(p, 2, renormalize=False)
+    assert idx.tolist() == [[1, 2]] and torch.allclose(w, torch.tensor([[0.5, 0.3]]))
+    w, _ = topk_weights(p, 2, renormalize=True)
+    assert torch.allclose(w, torch.tensor([[0.625, 0.375]]))
+    assert torch.allclose(masked_topk_probs(p, 1, False), torch.tensor([[0.0, 0.5, 0.0]]))
+    with pytest.raises(ValueError, match="exceeds"):
+        topk_weights(p, 4, False)
+
+
+def test_dense_delta_is_weighted_sum_of_adapters():
+    layer, factors, scales = _bank([3, 3, 3], spec=RoutingSpec(None))
+    x = torch.randn(7, 6, generator=torch.Generator().manual_seed(1))
+    p = torch.softmax(torch.randn(7, 3, generator=torch.Generator().manual_seed(2)), -1)
+    layer.routing.set_probs(p)
+    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, p), atol=1e-5)
+
+
+def test_rank_padding_keeps_each_update():
+    layer, factors, scales = _bank([2, 5, 1], spec=RoutingSpec(None))
+    assert layer.rank == 5 and layer.ranks == [2, 5, 1]
+    assert layer.A3.shape == (3, 5, 6) and layer.B3.shape == (3, 5, 5)
+    for c, (A, B) in enumerate(factors):
+        assert torch.equal(layer.B3[c] @ layer.A3[c], B @ A)  # zero padding adds nothing
+    x = torch.randn(4, 6)
+    p = torch.softmax(torch.randn(4, 3), -1)
+    layer.routing.set_probs(p)
+    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, p), atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("base_slot", [False, True])
+def test_grouped_equals_masked_dense(k, renormalize, base_slot):
+    layer, _, _ = _bank([2, 4, 3], base_slot=base_slot)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 6, generator=g)
+    p = torch.softmax(3 * torch.randn(13, layer.routing.n_slots, generator=g), -1)
+    outs = {}
+    for impl in ("grouped", "masked_dense"):
+        layer.routing.spec = RoutingSpec(k, renormalize, impl)
+        layer.routing.set_probs(p)
+        outs[impl] = layer(x)
+    assert torch.allclose(outs["grouped"], outs["masked_dense"], atol=1e-5)
+    # and the masked-dense reference is the formula with the top-k weights
+    w = masked_topk_probs(p, k, renormalize)[:, 1 if base_slot else 0 :]
+    expl = _explicit(x, layer.base, [(layer.A3[c], layer.B3[c]) for c in range(3)], layer.scales, w)
+    assert torch.allclose(outs["masked_dense"], expl, atol=1e-5)
+
+
+@pytest.mark.parametrize("k,base_slot", [(1, False), (2, True)])
+def test_grouped_mm_equals_masked_dense(k, base_slot):
+    # torch._grouped_mm wants 16-byte aligned rows: float32 widths and rank multiples of 4
+    layer, _, _ = _bank([4, 8, 4], d_in=8, d_out=16, base_slot=base_slot)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 8, generator=g)
+    p = torch.softmax(3 * torch.randn(11, layer.routing.n_slots, generator=g), -1)
+    outs = {}
+    for impl in ("grouped_mm", "masked_dense"):
+        layer.routing.spec = RoutingSpec(k, False, impl)
+        layer.routing.set_probs(p)
+        with torch.no_grad():
+            outs[impl] = layer(x)
+    assert torch.allclose(outs["grouped_mm"], outs["masked_dense"], atol=1e-5)
+
+
+def test_grouped_identity_path_when_all_tokens_pick_one_expert():
+    layer, factors, scales = _bank([3, 3])
+    x = torch.randn(5, 6)
+    p = torch.tensor([[0.2, 0.8]] * 5)
+    layer.routing.set_probs(p)
+    plan = layer.routing.plan()
+    assert plan.identity and plan.groups == [(1, 0, 5)]
+    w = torch.tensor([[0.0, 0.8]] * 5)  # raw top-1 probability (official code), not renormalized to 1
+    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, w), atol=1e-5)
+
+
+def test_grouped_top_k_training_gradients_match_masked_dense():
+    layer, _, _ = _bank([3, 3, 3])
+    x = torch.randn(9, 6)
+    logits = torch.randn(9, 3)
+    grads = {}
+    for impl in ("grouped", "masked_dense"):
+        lg = logits.clone().requires_grad_(True)
+        layer.routing.spec = RoutingSpec(2, True, impl)
+        layer.routing.set_probs(torch.softmax(lg, -1))
+        layer(x).square().sum().backward()
+        grads[impl] = lg.grad
+    assert grads["grouped"].abs().sum() > 0
+    assert torch.allclose(grads["grouped"], grads["masked_dense"], atol=1e-5)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="top_k"):
+        RoutingSpec(0)
+    with pytest.raises(ValueError, match="impl"):
+        RoutingSpec(1, impl="sparse")
+    layer, _, _ = _bank([2, 2])
+    with pytest.raises(RuntimeError, match="pre-hook"):
+        layer(torch.randn(3, 6))
+    layer.routing.set_probs(torch.full((4, 2), 0.5))
+    with pytest.raises(RuntimeError, match="tokens"):
+        layer(torch.randn(3, 6))
+    with pytest.raises(ValueError, match=r"\[tokens, 2\]"):
+        layer.routing.set_probs(torch.full((4, 3), 1 / 3))
+    with pytest.raises(ValueError, match="do not fit"):
+        LoRAMoELinear(nn.Linear(6, 5), [(torch.zeros(2, 7), torch.zeros(5, 2))], [1.0], BlockRouting(1, False, RoutingSpec()))

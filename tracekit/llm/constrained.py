@@ -1,0 +1,100 @@
+"""Constrained tool-call decoding with xgrammar (works on CPU; ``pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi``).
+
+The grammar lets the model either answer in free text or emit ONE tool call whose name is one of
+the offered tools and whose arguments are JSON (or Qwen-XML parameters) valid for that tool's schema,
+written exactly as the backbone's chat template writes calls:
+
+- ``qwen3``:     ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``
+- ``smollm2``:   ``<tool_call>[{"name": "NAME", "arguments": ARGS}]</tool_call>``
+- ``qwen3_xml``: ``<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>...\\n</function>\\n</tool_call>``
+
+``tool_choice="auto"``: free text, and once ``<tool_call>`` appears the call must complete validly;
+``"required"``: the output must be exactly one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tracekit.llm.tools import check_chat_format
+from tracekit.types import stable_hash
+
+TOOL_CHOICES = ("auto", "required")
+
+_BEGIN_END = {
+    "qwen3": ('<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
+    "smollm2": ('<tool_call>[{{"name": "{name}", "arguments": ', "}]</tool_call>"),
+    "qwen3_xml": ("<tool_call>\n<function={name}>\n", "\n</function>\n</tool_call>"),
+}
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError(
+            "constrained_tool_calls needs xgrammar: pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi"
+        ) from e
+    return xgrammar
+
+
+def _parameters(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    fn = tool.get("function", tool)
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool schema without a name: {str(tool)[:80]}")
+    return name, fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def structural_tag(
+    tools: list[dict[str, Any]], chat_format: str, tool_choice: str = "auto", max_whitespace: int | None = 1
+) -> dict[str, Any]:
+    """The xgrammar structural tag (as a plain dict) for one call among ``tools`` or, if ``auto``, text."""
+    check_chat_format(chat_format)
+    if tool_choice not in TOOL_CHOICES:
+        raise ValueError(f"tool_choice must be one of {TOOL_CHOICES}, got {tool_choice!r}")
+    if not tools:
+        raise ValueError("constrained tool-call decoding needs at least one tool")
+    begin, end = _BEGIN_END[chat_format]
+    tags = []
+    for tool in tools:
+        name, params = _parameters(tool)
+        content: dict[str, Any] = {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": max_whitespace}
+        if chat_format == "qwen3_xml":
+            content["style"] = "qwen_xml"
+        tags.append({"type": "tag", "begin": begin.format(name=name), "content": content, "end": end})
+    if tool_choice == "required":
+        fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    else:
+        fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags, "stop_after_first": True}
+    return {"type": "structural_tag", "format": fmt}
+
+
+class ToolCallGrammar:
+    """Compiles tool-call grammars for one tokenizer (cached per tool set) and masks logits with them."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_whitespace: int | None = 1):
+        xgr = _xgrammar()
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.max_whitespace = max_whitespace
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: dict[str, Any] = {}
+
+    def matcher(self, tools: list[dict[str, Any]], chat_format: str, tool_choice: str = "auto") -> Any:
+        """A fresh ``xgrammar.GrammarMatcher`` for one generation."""
+        tag = structural_tag(tools, chat_format, tool_choice, self.max_whitespace)
+        key = stable_hash(tag)
+        if key not in self._compiled:
+            self._compiled[key] = self._compiler.compile_structural_tag(tag)
+        return self._xgr.GrammarMatcher(self._compiled[key])
+
+    def mask_(self, matcher: Any, logits: np.ndarray) -> None:
+        """Set the logits (1-D numpy, vocab) of every token the grammar forbids next to -inf, in place."""
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        logits[: self.vocab_size][allowed == 0] = -np.inf

@@ -1,0 +1,232 @@
+"""Gate training for a composed LoRA-MoE model (paper section 3.5).
+
+    L = L_CE + lambda_LB * L_LB,   L_LB = S * sum_c f_c P_c   (lambda_LB = 0.05 by default)
+
+L_CE: mean token cross-entropy on the agent's response tokens (``loss_mask == 1``), computed with
+chunked log-softmax over the vocabulary (``tracekit.rl.grpo.token_logprobs``: never the full
+[tokens x vocab] logits at once). L_LB per adapted block over the batch's real (non-padding) tokens:
+f_c = fraction of tokens whose largest gate probability is slot c, P_c = mean gate probability of c,
+S = number of gate slots (base slot included when present); L_LB is the mean over blocks. f is a
+count (no gradient); the gradient reaches the gates through P. Only the gate parameters are
+optimized (AdamW); the backbone stays in eval mode.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from tracekit.artifacts import atomic_write_text
+from tracekit.moe.layer import RoutingSpec
+from tracekit.moe.model import LoRAMoEModel
+from tracekit.rl.grpo import token_logprobs
+from tracekit.types import TokenRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GateExample:
+    """One tokenized sequence: ``loss_mask[i] == 1`` iff token i is an agent response token."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+
+
+def as_examples(items: Iterable[GateExample | TokenRecord | Mapping[str, Any]]) -> list[GateExample]:
+    """Accept GateExamples, TokenRecords or mappings with input_ids (or token_ids) and loss_mask."""
+    out = []
+    for it in items:
+        if isinstance(it, GateExample):
+            out.append(it)
+        elif isinstance(it, TokenRecord):
+            out.append(GateExample(list(it.token_ids), list(it.loss_mask)))
+        elif isinstance(it, Mapping):
+            ids = it.get("input_ids", it.get("token_ids"))
+            if ids is None or "loss_mask" not in it:
+                raise ValueError(f"gate example needs input_ids/token_ids and loss_mask, got keys {sorted(it)}")
+            out.append(GateExample(list(ids), list(it["loss_mask"])))
+        else:
+            raise TypeError(f"not a gate example: {type(it).__name__}")
+    return out
+
+
+@dataclass
+class GateTrainConfig:
+    """Gate training hyperparameters (lambda_lb from the paper; lr as the official router SFT)."""
+
+    lambda_lb: float = 0.05
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    steps: int = 100
+    batch_size: int = 8
+    max_grad_norm: float = 1.0
+    ce_chunk: int = 1024
+    pad_id: int = 0
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- pure losses
+
+
+def load_balancing_loss(
+    probs: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """L_LB = S * sum_c f_c P_c for probs [N, S] over the tokens where ``mask`` [N] is true.
+
+    Returns (loss, f [S], P [S]); f_c = share of tokens whose argmax is c, P_c = mean p_c.
+    """
+    if mask is not None:
+        probs = probs[mask.bool()]
+    if probs.shape[0] == 0:
+        raise ValueError("load-balancing loss over zero tokens")
+    S = probs.shape[-1]
+    f = torch.bincount(probs.argmax(dim=-1), minlength=S).to(probs.dtype) / probs.shape[0]
+    P = probs.mean(dim=0)
+    return S * (f * P).sum(), f, P
+
+
+def collate(examples: Sequence[GateExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence: input_ids, attention_mask, loss_mask [B, L]."""
+    L = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), L), dtype=torch.long)
+    lm = torch.zeros((len(examples), L), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        attn[i, :n] = 1
+        lm[i, :n] = torch.tensor(e.loss_mask)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": lm}
+
+
+def response_ce(model: LoRAMoEModel, batch: Mapping[str, torch.Tensor], chunk: int = 1024) -> tuple[torch.Tensor, int]:
+    """Mean CE over response tokens (token i with loss_mask[i] = 1, predicted from position i-1).
+
+    Runs the decoder stack for hidden states and the lm_head chunk by chunk. Returns (ce, n_tokens).
+    """
+    lm = model.model
+    head = lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(lm.config, "final_logit_softcapping", None):
+        raise NotImplementedError("response_ce supports a plain bias-free lm_head (no logit soft-capping)")
+    device = head.weight.device
+    ids = batch["input_ids"].to(device)
+    attn = batch["attention_mask"].to(device)
+    hidden = lm.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    sel = (batch["loss_mask"][:, 1:].to(device) * attn[:, 1:]).bool()
+    n = int(sel.sum())
+    if n == 0:
+        raise ValueError("batch has no response tokens (loss_mask is 0 everywhere after position 0)")
+    logp = token_logprobs(hidden[:, :-1][sel], head.weight, ids[:, 1:][sel], chunk=chunk)
+    return -logp.mean(), n
+
+
+def routing_loss(model: LoRAMoEModel, attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean over adapted blocks of L_LB (latest forward); stats hold per-block LB, f (usage) and P."""
+    mask = attention_mask.reshape(-1)
+    losses, stats = [], {}
+    for b, probs in model.gate_probs().items():
+        loss, f, P = load_balancing_loss(probs, mask.to(probs.device))
+        losses.append(loss)
+        stats[f"lb/L{b}"] = float(loss)
+        for name, fc, pc in zip(model.slot_names, f.tolist(), P.tolist()):
+            stats[f"usage/L{b}/{name}"] = fc
+            stats[f"prob/L{b}/{name}"] = pc
+    return torch.stack(losses).mean(), stats
+
+
+# --------------------------------------------------------------------------- training loop
+
+
+def _batches(n: int, batch_size: int, steps: int, seed: int) -> Iterable[list[int]]:
+    rng = random.Random(seed)
+    order: list[int] = []
+    for _ in range(steps):
+        if len(order) < batch_size:
+            fresh = list(range(n))
+            rng.shuffle(fresh)
+            order += fresh
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+def train_gates(
+    model: LoRAMoEModel, examples: Iterable[GateExample | TokenRecord | Mapping[str, Any]], cfg: GateTrainConfig
+) -> list[dict[str, float]]:
+    """Optimize only the gates on L = CE + lambda_LB * LB; returns one log row per step.
+
+    Routing during training is ``model.training_spec`` (the paper's mixture over all experts unless
+    ``train_top_k`` is set). Row keys: step, loss, ce, lb, tokens, lb/L<b>, usage/L<b>/<slot>,
+    prob/L<b>/<slot>.
+    """
+    data = as_examples(examples)
+    if not data:
+        raise ValueError("no gate training examples")
+    model.assert_frozen()
+    params = list(model.trainable_parameters().values())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model.model.eval()  # no dropout in the frozen backbone
+    rows = []
+    with model.routing(model.training_spec):
+        for step, idx in enumerate(
+            tqdm(_batches(len(data), min(cfg.batch_size, len(data)), cfg.steps, cfg.seed), total=cfg.steps, desc="gate", leave=False)
+        ):
+            batch = collate([data[i] for i in idx], cfg.pad_id)
+            ce, n = response_ce(model, batch, cfg.ce_chunk)
+            lb, stats = routing_loss(model, batch["attention_mask"])
+            loss = ce + cfg.lambda_lb * lb
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            rows.append({"step": step, "loss": float(loss), "ce": float(ce), "lb": float(lb), "tokens": n, **stats})
+    log.info("gate training: %d steps, ce %.4f -> %.4f, lb %.4f -> %.4f", cfg.steps, rows[0]["ce"], rows[-1]["ce"], rows[0]["lb"], rows[-1]["lb"])
+    return rows
+
+
+@torch.no_grad()
+def evaluate_ce(
+    model: LoRAMoEModel,
+    examples: Iterable[GateExample | TokenRecord | Mapping[str, Any]],
+    spec: RoutingSpec | None = None,
+    batch_size: int = 8,
+    chunk: int = 1024,
+    pad_id: int = 0,
+) -> float:
+    """Token-weighted mean response CE under routing ``spec`` (default: the model's current routing)."""
+    data = as_examples(examples)
+    total, count = 0.0, 0
+    with model.routing(spec or model.spec):
+        for s in range(0, len(data), batch_size):
+            ce, n = response_ce(model, collate(data[s : s + batch_size], pad_id), chunk)
+            total += float(ce) * n
+            count += n
+    if count == 0:
+        raise ValueError("no response tokens to evaluate")
+    return total / count
+
+
+def write_log_csv(rows: Sequence[Mapping[str, float]], path: str | Path) -> None:
+    """Write the per-step log rows as CSV (columns = union of keys, in first-seen order), atomically."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(path, buf.getvalue())

@@ -1,0 +1,307 @@
+"""LoRA mixture-of-experts linear layer (paper section 3.5).
+
+At an adapted projection with frozen base weight W and a bank of C frozen LoRA adapters,
+
+    y = W x + sum_c w_c(h) * s_c * B_c A_c x,        s_c = alpha_c / r_c (alpha_c / sqrt(r_c) for rsLoRA)
+
+where h is the block's input hidden state and w(h) comes from the block's gate:
+p = softmax(gate(h)), gate = Linear(d -> C). Routing modes (:class:`RoutingSpec`):
+
+- ``top_k=None``: the paper's training mixture, w = p over all experts (dense: two GEMMs, like one
+  LoRA of rank C*r).
+- ``top_k=k``: each token keeps its k most probable slots. ``renormalize=False`` keeps the raw
+  softmax probabilities (w_c = p_c for kept c), as the official TRACE routed model does
+  ("hard top-1 cap routing with multiplicative gating": a base-slot bias of 5 gives a gate weight
+  0.974, i.e. the raw probability); ``renormalize=True`` divides the kept ones by their sum.
+  ``impl="grouped"`` computes only the chosen experts' low-rank products: (token, slot) pairs are
+  sorted by expert, each expert runs on its own tokens (index_select), results are scattered back
+  with index_add_; group sizes are read on the host once per block (one sync per block and forward);
+  when every token chose the same expert (e.g. decoding one sequence) no gather/scatter is needed.
+  ``impl="grouped_mm"`` is the same grouping as one ``torch._grouped_mm`` per factor with device-side
+  group offsets (no host sync, one kernel for all experts; a private torch API: bf16 grouped GEMM on
+  sm90 GPUs, needs 16-byte aligned rows, i.e. rank and widths multiples of 8 in bf16).
+  ``impl="masked_dense"`` computes every expert with the non-kept weights zeroed (the reference the
+  grouped paths are tested against).
+
+Optional base slot (official code's "no adapter" slot 0): the gate has C+1 outputs and slot 0
+contributes a zero update. Adapters of different ranks share the bank by zero-padding A's rows and
+B's columns to the largest rank, which leaves every B_c A_c unchanged.
+
+Storage: A is kept as [C*r, d_in] (rows c*r..c*r+r-1 are A_c) and B as [d_out, C*r] (columns are
+B_c), so the dense mixture is exactly two GEMMs and each expert's factors are views. The brief's
+shapes A: C x r x d_in and B: C x d_out x r are :attr:`LoRAMoELinear.A3` and :attr:`LoRAMoELinear.B3`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How gate probabilities become per-token expert weights.
+
+    top_k: None = mix all experts with p (training default); k = keep the k most probable slots.
+    renormalize: divide the kept probabilities by their sum (False = raw, as the official code).
+    impl: "grouped" / "grouped_mm" (run only chosen experts) or "masked_dense" (reference; every expert computed).
+    """
+
+    top_k: int | None = 1
+    renormalize: bool = False
+    impl: str = "grouped"
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.impl not in ("grouped", "grouped_mm", "masked_dense"):
+            raise ValueError(f"impl must be 'grouped', 'grouped_mm' or 'masked_dense', got {self.impl!r}")
+        if self.impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+            raise ValueError(f"impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8), this is torch {torch.__version__}")
+
+
+# --------------------------------------------------------------------------- pure routing math
+
+
+def topk_weights(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [T, S] -> (weights [T, k], slots [T, k]); weights are raw p or p / sum of kept p."""
+    if k > probs.shape[-1]:
+        raise ValueError(f"top_k={k} exceeds the number of gate slots {probs.shape[-1]}")
+    w, idx = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, idx
+
+
+def masked_topk_probs(probs: torch.Tensor, k: int, renormalize: bool) -> torch.Tensor:
+    """probs [T, S] -> [T, S] with every slot outside each token's top-k set to 0."""
+    w, idx = topk_weights(probs, k, renormalize)
+    return torch.zeros_like(probs).scatter(-1, idx, w)
+
+
+class _Plan:
+    """Per-block routing computation shared by the block's projections.
+
+    ``scaled(layer)`` caches, per distinct (scales, rank, dtype) of the projections, the gate weights
+    already multiplied by each pair's adapter scale and cast to the activation dtype, so each
+    projection adds only its own matmuls.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def scaled(self, layer: LoRAMoELinear, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(layer.scales), layer.rank, dtype)
+        if key not in self._cache:
+            self._cache[key] = self._scale(layer.scale, layer.rank).to(dtype)
+        return self._cache[key]
+
+
+class _DensePlan(_Plan):
+    """Weights [T, C] for every adapter (base slot dropped): the mixture, or the masked top-k reference."""
+
+    def __init__(self, weights: torch.Tensor):
+        super().__init__()
+        self.weights = weights
+
+    def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
+        return (self.weights * scale).repeat_interleave(rank, dim=-1)  # [T, C*r], matches A's row blocks
+
+
+class _GroupPlan(_Plan):
+    """(token, slot) pairs sorted by adapter; ``groups`` = [(adapter, start, count)] known on the host."""
+
+    def __init__(self, tokens, adapters, weights, groups: list[tuple[int, int, int]], identity: bool):
+        super().__init__()
+        self.tokens, self.adapters, self.weights = tokens, adapters, weights  # [P] each, sorted by adapter
+        self.groups = groups
+        self.identity = identity  # k == 1 and every token chose the same adapter: pairs are tokens 0..T-1
+
+    def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
+        return (self.weights * scale[self.adapters.clamp(min=0)]).unsqueeze(-1)  # [P, 1]
+
+
+class _GroupedMMPlan(_GroupPlan):
+    """Pairs sorted by adapter with device-side group ends ``offsets`` [C] (int32); base-slot pairs have w=0."""
+
+    def __init__(self, tokens, adapters, weights, offsets: torch.Tensor):
+        super().__init__(tokens, adapters, weights, [], False)
+        self.offsets = offsets
+
+
+def make_plan(probs: torch.Tensor, spec: RoutingSpec, n_adapters: int, base_slot: bool) -> _Plan:
+    """Turn one block's gate probabilities [T, S] into the computation every projection of the block shares.
+
+    Computed once per block and forward, so the one host sync of the grouped path (group sizes)
+    happens once per block, not once per projection.
+    """
+    off = 1 if base_slot else 0
+    if spec.top_k is None:
+        return _DensePlan(probs[:, off:])
+    if spec.impl == "masked_dense":
+        return _DensePlan(masked_topk_probs(probs, spec.top_k, spec.renormalize)[:, off:])
+    T = probs.shape[0]
+    k = spec.top_k
+    w, slots = topk_weights(probs, k, spec.renormalize)
+    adapters = slots.reshape(-1) - off  # -1 = base slot
+    weights = w.reshape(-1)
+    tokens = torch.arange(T, device=probs.device).repeat_interleave(k)
+    if spec.impl == "grouped_mm":
+        weights, adapters = weights * (adapters >= 0), adapters.clamp(min=0)
+        order = torch.argsort(adapters, stable=True)
+        offsets = torch.cumsum(torch.bincount(adapters, minlength=n_adapters), 0).to(torch.int32)
+        return _GroupedMMPlan(tokens[order], adapters[order], weights[order], offsets)
+    order = torch.argsort(adapters, stable=True)
+    counts = torch.bincount(adapters + 1, minlength=n_adapters + 1).tolist()  # the one host sync
+    groups, start = [], counts[0]  # counts[0] = base-slot pairs; they sort first and are skipped
+    for a in range(n_adapters):
+        if counts[a + 1]:
+            groups.append((a, start, counts[a + 1]))
+        start += counts[a + 1]
+    identity = k == 1 and len(groups) == 1 and groups[0][2] == T
+    return _GroupPlan(tokens[order], adapters[order], weights[order], groups, identity)
+
+
+class BlockRouting:
+    """Routing state shared by one block's gate (writer) and its adapted projections (readers).
+
+    ``probs`` [T, S] (float32) are the gate probabilities of the block's latest forward; the plan
+    is built lazily by the first projection that needs it.
+    """
+
+    def __init__(self, n_adapters: int, base_slot: bool, spec: RoutingSpec):
+        self.n_adapters = n_adapters
+        self.base_slot = base_slot
+        self.spec = spec
+        self.probs: torch.Tensor | None = None
+        self._plan: _Plan | None = None
+
+    @property
+    def n_slots(self) -> int:
+        return self.n_adapters + (1 if self.base_slot else 0)
+
+    def set_probs(self, probs: torch.Tensor) -> None:
+        if probs.dim() != 2 or probs.shape[1] != self.n_slots:
+            raise ValueError(f"gate probs must be [tokens, {self.n_slots}], got {tuple(probs.shape)}")
+        self.probs = probs
+        self._plan = None
+
+    def plan(self) -> _Plan:
+        if self.probs is None:
+            raise RuntimeError("no gate probabilities: the block's gate pre-hook did not run before this projection")
+        if self._plan is None:
+            self._plan = make_plan(self.probs, self.spec, self.n_adapters, self.base_slot)
+        return self._plan
+
+
+class BlockGate(nn.Linear):
+    """One gate per transformer block: p = softmax(Linear(d -> S)(h)), S = C (+1 with a base slot)."""
+
+    def probs(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> p [..., S] in float32 (softmax in float32 whatever the backbone dtype)."""
+        return torch.softmax(self(h.to(self.weight.dtype)).float(), dim=-1)
+
+
+class LoRAMoELinear(nn.Module):
+    """A frozen base Linear plus a frozen bank of C LoRA adapters weighted by the block's gate.
+
+    Built from per-adapter factors (A_c [r_c, d_in], B_c [d_out, r_c], scale s_c); ranks are padded
+    with zeros to r = max r_c (no change to any B_c A_c).
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        factors: list[tuple[torch.Tensor, torch.Tensor]],
+        scales: list[float],
+        routing: BlockRouting,
+    ):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"LoRAMoELinear wraps nn.Linear, got {type(base).__name__}")
+        if len(factors) != len(scales) or not factors:
+            raise ValueError("need one (A, B) pair and one scale per adapter, at least one adapter")
+        if routing.n_adapters != len(factors):
+            raise ValueError(f"routing has {routing.n_adapters} adapters, bank has {len(factors)}")
+        d_in, d_out = base.in_features, base.out_features
+        self.ranks = [int(a.shape[0]) for a, _ in factors]
+        r = max(self.ranks)
+        C = len(factors)
+        A = torch.zeros(C * r, d_in, dtype=base.weight.dtype, device=base.weight.device)
+        B = torch.zeros(d_out, C * r, dtype=base.weight.dtype, device=base.weight.device)
+        for c, (a, b) in enumerate(factors):
+            if a.shape[1] != d_in or b.shape[0] != d_out or b.shape[1] != a.shape[0]:
+                raise ValueError(
+                    f"adapter {c}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit Linear({d_in} -> {d_out})"
+                )
+            A[c * r : c * r + a.shape[0]] = a
+            B[:, c * r : c * r + a.shape[0]] = b
+        self.base = base
+        self.A = nn.Parameter(A, requires_grad=False)
+        self.B = nn.Parameter(B, requires_grad=False)
+        self.register_buffer("scale", torch.tensor(scales, dtype=torch.float32), persistent=False)
+        self.scales = [float(s) for s in scales]
+        self.rank = r
+        self.n_adapters = C
+        # A plain attribute (not a submodule): the gate owns the state, projections only read it.
+        self.routing = routing
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def A3(self) -> torch.Tensor:
+        """A bank as [C, r, d_in] (a view)."""
+        return self.A.view(self.n_adapters, self.rank, -1)
+
+    @property
+    def B3(self) -> torch.Tensor:
+        """B bank as [C, d_out, r] (a view)."""
+        return self.B.view(-1, self.n_adapters, self.rank).permute(1, 0, 2)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, adapters={self.n_adapters}, rank={self.rank}"
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out [T, d_out] + gate-weighted adapter update of x [T, d_in] under the block's current plan."""
+        plan = self.routing.plan()
+        w = plan.scaled(self, x.dtype)
+        r = self.rank
+        if isinstance(plan, _DensePlan):
+            return torch.addmm(out, F.linear(x, self.A) * w, self.B.t())
+        if isinstance(plan, _GroupedMMPlan):
+            xs = x.index_select(0, plan.tokens)
+            z = torch._grouped_mm(xs, self.A3.transpose(1, 2), offs=plan.offsets) * w  # [P, r]
+            y = torch._grouped_mm(z, self.B3.transpose(1, 2), offs=plan.offsets)  # [P, d_out]
+            return out.index_add_(0, plan.tokens, y)
+        if plan.identity:
+            a = plan.groups[0][0]
+            return torch.addcmul(out, F.linear(F.linear(x, self.A[a * r : a * r + r]), self.B[:, a * r : a * r + r]), w)
+        for a, start, n in plan.groups:
+            tok = plan.tokens[start : start + n]
+            z = F.linear(x.index_select(0, tok), self.A[a * r : a * r + r]) * w[start : start + n]
+            out.index_add_(0, tok, F.linear(z, self.B[:, a * r : a * r + r]))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        x2d = x.reshape(-1, x.shape[-1])
+        probs = self.routing.probs
+        if probs is not None and probs.shape[0] != x2d.shape[0]:
+            raise RuntimeError(
+                f"projection saw {x2d.shape[0]} tokens but its block's gate routed {probs.shape[0]}: "
+                "LoRAMoELinear needs a projection that sees every token of the block (not per-expert MLP inputs)"
+            )
+        return self.add_delta(out.reshape(-1, out.shape[-1]), x2d).view(out.shape)

@@ -1,0 +1,465 @@
+"""Rollout engines for GRPO: the policy as a batched chat client that returns exact tokens.
+
+Both engines share one chat layer (:class:`PolicyChat`): messages are rendered with the tokenizer's
+chat template into prompt ids *here*, the engine samples completion ids and their log-probs, and the
+completion text is parsed into an assistant message. Prompt ids are therefore identical whichever
+engine generates, and the trainer sees exactly the ids the engine consumed and produced.
+
+- ``hf``: :class:`HFEngine` samples from the live (peft) model in-process: KV-cached batched decode
+  with per-row stopping, log-probs of the sampled tokens taken from the same logits that were
+  sampled (no second forward pass), seeded ``torch.Generator`` (same seed on CPU -> same tokens).
+- ``vllm``: :class:`VLLMEngine` manages a ``vllm serve --enable-lora`` subprocess; each iteration
+  the adapter is saved and loaded at runtime through ``/v1/load_lora_adapter`` (adapter-only sync),
+  and completions are requested with prompt token ids and ``return_tokens_as_token_ids``. vllm and
+  the server are only touched when this engine is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
+from tracekit.types import Message, ToolCall, stable_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    """One sampled completion: token ids (the stop token included), their log-probs, why it ended."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop | length
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing completions into messages (Hermes/Qwen3 tool-call format)
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str) -> Message:
+    """Assistant message from raw text with ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks.
+
+    A block that is not valid JSON of that shape sets ``parse_error`` and keeps the raw text as
+    content (the environment then sees no call, never a crash).
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for i, m in enumerate(_TOOL_CALL_RE.finditer(text)):
+        try:
+            obj = json.loads(m.group(1).strip())
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                raise ValueError("expected an object with a string 'name'")
+            args = obj.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(args, dict):
+                raise ValueError("'arguments' must be an object")
+            calls.append(ToolCall(id=f"call_{i}", name=obj["name"], arguments=args))
+        except (ValueError, TypeError) as e:
+            errors.append(f"tool call {i}: {e}")
+    if errors:
+        return Message(role="assistant", content=text, parse_error="; ".join(errors))
+    content = _TOOL_CALL_RE.sub("", text).strip() if calls else text
+    return Message(role="assistant", content=content or None, tool_calls=calls)
+
+
+# --------------------------------------------------------------------------------------------
+# In-process sampling
+
+
+def _model_kwargs_cache_name(model: torch.nn.Module) -> str:
+    """transformers >= 5.2x names the KV cache argument ``cache``; earlier 5.x ``past_key_values``."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask logits outside the smallest set whose probability reaches ``top_p`` (nucleus). [B, V]."""
+    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+@torch.no_grad()
+def sample_completions(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    seed: int = 0,
+) -> list[Completion]:
+    """Batched KV-cached sampling with per-row stopping; log-probs from the sampling logits.
+
+    prompts: B lists of ids (left-padded here, positions counted from each row's first real token).
+    temperature 0 = greedy. The log-prob of a sampled token is ``log_softmax(logits / T)`` (the
+    tempered policy GRPO optimizes; equal to the model's at T = 1), before any top-p truncation.
+    """
+    if not prompts:
+        return []
+    dev = next(model.parameters()).device
+    B = len(prompts)
+    L = max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError("empty prompt")
+        ids[i, L - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attn[i, L - len(p) :] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    gen = torch.Generator(device=dev).manual_seed(int(seed))
+    stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=dev)
+
+    from transformers import DynamicCache
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache = DynamicCache(config=base.config)
+    cache_kw = _model_kwargs_cache_name(model)
+    out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long, device=dev)
+    out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+    lengths = torch.zeros(B, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+    step_ids, step_pos = ids, pos
+    for t in range(max_new_tokens):
+        out = model(
+            input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, logits_to_keep=1, **{cache_kw: cache}
+        )
+        logits = out.logits[:, -1, :].float()
+        if temperature > 0:
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            probs_from = logp if top_p >= 1.0 else torch.log_softmax(_filter_top_p(logits / temperature, top_p), -1)
+            tok = torch.multinomial(probs_from.exp(), 1, generator=gen).squeeze(1)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logits.argmax(-1)
+        lp = logp.gather(1, tok[:, None]).squeeze(1)
+        active = ~done
+        out_ids[:, t] = torch.where(active, tok, torch.full_like(tok, pad_id))
+        out_lp[:, t] = torch.where(active, lp, torch.zeros_like(lp))
+        lengths += active.long()
+        hit = active & torch.isin(tok, stop)
+        stopped |= hit
+        done |= hit
+        if bool(done.all()):
+            break
+        step_ids = out_ids[:, t : t + 1]
+        step_pos = step_pos[:, -1:] + 1
+        attn = torch.cat([attn, active.long()[:, None]], dim=1)
+    ids_cpu, lp_cpu, len_cpu, stop_cpu = out_ids.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu()
+    return [
+        Completion(
+            ids=ids_cpu[i, : len_cpu[i]].tolist(),
+            logprobs=lp_cpu[i, : len_cpu[i]].tolist(),
+            finish_reason="stop" if stop_cpu[i] else "length",
+        )
+        for i in range(B)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# The chat layer shared by the engines
+
+Generate = Callable[[list[list[int]], float, float, int, int], list[Completion]]
+
+
+class PolicyChat(ChatClient):
+    """A :class:`ChatClient` over a token-level generator, returning exact prompt/completion ids.
+
+    ``generate(prompts, temperature, top_p, max_new_tokens, seed)`` does the sampling. A request
+    whose prompt exceeds ``max_prompt_tokens`` gets ``finish_reason='error'`` (the episode runner
+    ends that episode as out of context) instead of being truncated silently.
+    """
+
+    name = "policy"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        generate: Generate,
+        *,
+        max_prompt_tokens: int = 32000,
+        parse: Callable[[str], Message] = parse_hermes,
+        batch_size: int = 64,
+    ):
+        self.tokenizer = tokenizer
+        self.generate = generate
+        self.max_prompt_tokens = max_prompt_tokens
+        self.parse = parse
+        self.batch_size = batch_size
+        self.stop_ids = sorted(stop_token_ids(tokenizer))
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The chat template's generation prompt for ``messages`` as token ids (what the model receives)."""
+        text = self.tokenizer.apply_chat_template(
+            [m.to_chat() for m in messages], tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def count_tokens(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> int:
+        return len(self.prompt_ids(messages, tools))
+
+    def chat(self, requests: list[ChatRequest]) -> list[ChatResponse]:
+        prompts = [self.prompt_ids(r.messages, r.tools) for r in requests]
+        out: list[ChatResponse | None] = [None] * len(requests)
+        ok = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt_tokens]
+        for i in set(range(len(requests))) - set(ok):
+            out[i] = ChatResponse(
+                message=Message(role="assistant", content=None, parse_error="prompt exceeds the context budget"),
+                text="",
+                finish_reason="error",
+                prompt_token_ids=prompts[i],
+                usage={"prompt_tokens": len(prompts[i]), "completion_tokens": 0},
+            )
+        # Requests with equal sampling settings are batched together; one seed per batch, derived
+        # from the requests' seeds so that the same requests give the same samples.
+        groups: dict[tuple[float, float, int], list[int]] = {}
+        for i in ok:
+            r = requests[i]
+            groups.setdefault((r.temperature, r.top_p, r.max_new_tokens), []).append(i)
+        for (temp, top_p, max_new), idx in groups.items():
+            for s in range(0, len(idx), self.batch_size):
+                chunk = idx[s : s + self.batch_size]
+                seed = int(stable_hash([requests[i].seed for i in chunk], 15), 16)
+                comps = self.generate([prompts[i] for i in chunk], temp, top_p, max_new, seed)
+                for i, c in zip(chunk, comps):
+                    out[i] = self._response(prompts[i], c, requests[i].return_tokens)
+        return [o for o in out if o is not None]
+
+    def _response(self, prompt: list[int], c: Completion, return_tokens: bool) -> ChatResponse:
+        body = c.ids[:-1] if c.ids and c.ids[-1] in self.stop_ids else c.ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        return ChatResponse(
+            message=self.parse(text),
+            text=text,
+            finish_reason=c.finish_reason,
+            prompt_token_ids=prompt if return_tokens else None,
+            completion_token_ids=c.ids if return_tokens else None,
+            completion_logprobs=c.logprobs if return_tokens else None,
+            usage={"prompt_tokens": len(prompt), "completion_tokens": len(c.ids)},
+        )
+
+
+def stop_token_ids(tokenizer: Any) -> set[int]:
+    """End-of-turn ids: the tokenizer's eos plus ChatML's ``<|im_end|>`` where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
+        ids.add(im_end)
+    if not ids:
+        raise ValueError("tokenizer has no eos token: cannot tell when a turn ends")
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Engines
+
+
+class HFEngine:
+    """Rollouts from the model being trained, in-process (CPU or GPU)."""
+
+    kind = "hf"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_prompt_tokens: int = 32000, batch_size: int = 64):
+        self.model = model
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.client = PolicyChat(tokenizer, self._generate, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size)
+        self._pad = int(pad)
+
+    def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling: the rollout policy is the eval-mode policy
+        try:
+            return sample_completions(
+                self.model,
+                prompts,
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=self.client.stop_ids,
+                pad_id=self._pad,
+                seed=seed,
+            )
+        finally:
+            self.model.train(was_training)
+
+    def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
+        """Nothing to do: generation uses the live weights."""
+
+    def close(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMSettings:
+    model_path: str  # the backbone as a local HF folder (vLLM loads it itself)
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: a free port
+    max_lora_rank: int = 64
+    gpu_memory_utilization: float = 0.5  # the trainer shares the GPU
+    dtype: str = "bfloat16"
+    max_model_len: int = 32768
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    concurrency: int = 64
+    extra_args: tuple[str, ...] = ()
+    base_url: str | None = None  # an already running server (then nothing is launched)
+
+
+class VLLMEngine:
+    """A managed ``vllm serve`` with runtime LoRA loading (adapter-only sync each iteration)."""
+
+    kind = "vllm"
+
+    def __init__(self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, max_prompt_tokens: int = 32000):
+        import httpx
+
+        self.s = settings
+        self.work_dir = Path(work_dir)
+        self.proc: subprocess.Popen | None = None
+        self.lora_name: str | None = None
+        self._lora_path: Path | None = None
+        if settings.base_url:
+            self.base_url = settings.base_url.rstrip("/")
+        else:
+            self.base_url = self._launch()
+        self.http = httpx.Client(base_url=self.base_url, timeout=settings.request_timeout_s)
+        self.client = PolicyChat(tokenizer, self._generate, max_prompt_tokens=max_prompt_tokens, batch_size=settings.concurrency)
+
+    def _launch(self) -> str:
+        if shutil.which("vllm") is None:
+            raise EndpointError("grpo.engine=vllm needs the `vllm` command (pip install the gpu extra); not found on PATH")
+        port = self.s.port or _free_port()
+        cmd = [
+            "vllm", "serve", self.s.model_path, "--host", self.s.host, "--port", str(port),
+            "--enable-lora", "--max-lora-rank", str(self.s.max_lora_rank), "--max-loras", "2",
+            "--dtype", self.s.dtype, "--gpu-memory-utilization", str(self.s.gpu_memory_utilization),
+            "--max-model-len", str(self.s.max_model_len), *self.s.extra_args,
+        ]  # fmt: skip
+        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(self.work_dir / "vllm_server.log", "ab")
+        log.info("starting %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        url = f"http://{self.s.host}:{port}"
+        self._wait_healthy(url)
+        return url
+
+    def _wait_healthy(self, url: str) -> None:
+        import httpx
+
+        t0 = time.time()
+        while time.time() - t0 < self.s.startup_timeout_s:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EndpointError(f"vllm serve exited with code {self.proc.returncode}; see {self.work_dir / 'vllm_server.log'}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        self.close()
+        raise EndpointError(f"vllm serve not healthy after {self.s.startup_timeout_s:.0f}s; see {self.work_dir / 'vllm_server.log'}")
+
+    def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
+        """Save the current adapter and load it into the server under a fresh name; unload the old one."""
+        path = self.work_dir / "adapters" / f"iter_{iteration:05d}"
+        save_adapter(path)
+        name = f"policy-it{iteration}-{uuid.uuid4().hex[:6]}"
+        r = self.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path.resolve())})
+        if r.status_code != 200:
+            raise EndpointError(f"vllm load_lora_adapter failed ({r.status_code}): {r.text[:300]}")
+        if self.lora_name is not None:
+            self.http.post("/v1/unload_lora_adapter", json={"lora_name": self.lora_name})
+            if self._lora_path is not None and self._lora_path != path:
+                shutil.rmtree(self._lora_path, ignore_errors=True)
+        self.lora_name, self._lora_path = name, path
+
+    def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
+        if self.lora_name is None:
+            raise EndpointError("vllm engine used before sync(): no adapter loaded")
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(i: int) -> Completion:
+            body = {
+                "model": self.lora_name,
+                "prompt": prompts[i],
+                "max_tokens": max_new,
+                "temperature": temperature,
+                "top_p": top_p,
+                "seed": (seed + i) % (2**31),
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False,
+                "stop_token_ids": self.client.stop_ids,
+                "include_stop_str_in_output": True,
+            }
+            r = self.http.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                raise EndpointError(f"vllm completion failed ({r.status_code}): {r.text[:300]}")
+            return parse_vllm_choice(r.json()["choices"][0], self.client.stop_ids)
+
+        with ThreadPoolExecutor(max_workers=self.s.concurrency) as ex:
+            return list(ex.map(one, range(len(prompts))))
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+def parse_vllm_choice(choice: dict[str, Any], stop_ids: Sequence[int]) -> Completion:
+    """A ``/v1/completions`` choice with ``return_tokens_as_token_ids`` -> ids and log-probs.
+
+    vLLM formats each token as ``"token_id:<id>"``. A completion counts as stopped iff its last id
+    is a stop id (the sampled end-of-turn token is trained on like any other generated token).
+    """
+    lp = choice.get("logprobs") or {}
+    toks, lps = lp.get("tokens"), lp.get("token_logprobs")
+    if toks is None or lps is None:
+        raise EndpointError("vllm response has no token log-probs (was logprobs requested?)")
+    ids = []
+    for t in toks:
+        if not isinstance(t, str) or not t.startswith("token_id:"):
+            raise EndpointError(f"vllm token {t!r} is not 'token_id:<id>' (is return_tokens_as_token_ids supported?)")
+        ids.append(int(t.split(":", 1)[1]))
+    if len(ids) != len(lps):
+        raise EndpointError(f"vllm returned {len(ids)} tokens but {len(lps)} log-probs")
+    finish = "stop" if ids and ids[-1] in set(stop_ids) else "length"
+    return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=finish)

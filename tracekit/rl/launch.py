@@ -1,0 +1,302 @@
+"""Launchers for GRPO training: in-process (``local``) or DeepSpeed ZeRO in a subprocess.
+
+``train(spec, launcher)`` is what the train stage calls. For ``deepspeed_zero2`` /
+``deepspeed_zero3`` it writes the resolved spec to ``<out>/train_spec.json`` and runs
+``torchrun --nproc_per_node N -m tracekit.rl.launch --spec <file>`` (or the ``deepspeed``
+launcher), so the calling Hydra job stays single-process; each worker builds the model and the
+environment from the spec's factories, wraps the peft model in a DeepSpeed engine (ZeRO stage 2 or
+3, torch AdamW) and runs the same :class:`GRPOTrainer` loop data-parallel. The per-iteration
+metrics come back through ``metrics.csv`` and are replayed to the callbacks when the run ends.
+
+Factories are ``"module:function"`` strings (JSON-able, importable in a fresh process): the model
+factory returns ``(model, tokenizer)``, the env factory an :class:`EnvSuite`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import io
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.rl.trainer import Dist, GRPOSettings, GRPOTrainer
+
+log = logging.getLogger(__name__)
+
+KINDS = ("local", "deepspeed_zero2", "deepspeed_zero3")
+
+
+@dataclass
+class LauncherSettings:
+    kind: str = "local"  # local | deepspeed_zero2 | deepspeed_zero3
+    nproc: int = 1  # processes (GPUs, or CPU processes over gloo)
+    command: str = "torchrun"  # torchrun | deepspeed
+    master_port: int | None = None  # None: a free port
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"launcher.kind={self.kind!r} is invalid: must be one of {', '.join(KINDS)}")
+        if self.nproc < 1:
+            raise ValueError(f"launcher.nproc={self.nproc!r} is invalid: must be >= 1")
+        if self.command not in ("torchrun", "deepspeed"):
+            raise ValueError(f"launcher.command={self.command!r} is invalid: must be torchrun or deepspeed")
+
+    @property
+    def zero_stage(self) -> int:
+        return {"local": 0, "deepspeed_zero2": 2, "deepspeed_zero3": 3}[self.kind]
+
+
+@dataclass
+class Factory:
+    target: str  # "package.module:function"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        mod, _, fn = self.target.partition(":")
+        if not fn:
+            raise ValueError(f"factory {self.target!r} must be 'module:function'")
+        try:
+            obj = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"factory {self.target!r} cannot be imported: {e}") from e
+        return obj(**self.kwargs)
+
+
+@dataclass
+class TrainSpec:
+    """Everything a (possibly separate) process needs to train one adapter."""
+
+    model: Factory  # -> (model, tokenizer)
+    env: Factory  # -> EnvSuite
+    out_dir: str
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    engine: dict[str, Any] = field(default_factory=lambda: {"kind": "hf"})  # or {"kind": "vllm", **VLLMSettings}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrainSpec:
+        return cls(
+            model=Factory(**d["model"]),
+            env=Factory(**d["env"]),
+            out_dir=d["out_dir"],
+            grpo=GRPOSettings(**d["grpo"]),
+            engine=dict(d.get("engine") or {"kind": "hf"}),
+        )
+
+
+def deepspeed_config(stage: int, s: GRPOSettings, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config for ZeRO ``stage``: torch AdamW (no cpu_adam JIT build), our grad clip.
+
+    Micro-batching is ours (token-budget microbatches, boundary set per backward), so DeepSpeed's
+    own accumulation is 1 and its batch sizes are nominal.
+    """
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": s.lr, "betas": list(s.betas), "eps": 1e-8, "weight_decay": s.weight_decay, "torch_adam": True},
+        },
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(bf16)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if s.grad_clip > 0:
+        cfg["gradient_clipping"] = s.grad_clip
+    return cfg
+
+
+class DeepSpeedBackend:
+    """The optimizer side of :class:`GRPOTrainer` under a DeepSpeed ZeRO engine."""
+
+    restores_module = True  # load_checkpoint brings the adapter weights back
+
+    def __init__(self, model: torch.nn.Module, s: GRPOSettings, stage: int, world: int):
+        import deepspeed
+
+        self.stage = stage
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        bf16 = torch.cuda.is_available() and s.dtype != "float32"
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=self.params, config=deepspeed_config(stage, s, bf16))
+        # DeepSpeed averages gradients over ranks; our per-rank loss is already a share of the
+        # global sum (eq. (2)'s 1/|B| uses the global count), so scale back by the world size.
+        self.loss_scale = float(world)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss)
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def gathered_adapter(self):
+        if self.stage != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(self.params, modifier_rank=None)
+
+    def save(self, d: Path, rank: int) -> None:
+        self.engine.save_checkpoint(str(d / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True)
+
+    def load(self, d: Path, rank: int) -> None:
+        path, _ = self.engine.load_checkpoint(str(d / "deepspeed"), tag="state", load_module_strict=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed checkpoint under {d / 'deepspeed'} could not be loaded")
+
+
+def _make_engine(spec: TrainSpec, dist: Dist, tokenizer: Any):
+    kind = spec.engine.get("kind", "hf")
+    if kind == "hf":
+        return None  # the trainer's default: HFEngine on the live model
+    if kind == "vllm":
+        if dist.active:
+            raise NotImplementedError("grpo.engine=vllm under a multi-process launcher is not built: use launcher=local with vllm")
+        from tracekit.rl.engines import VLLMEngine, VLLMSettings
+
+        opts = {k: v for k, v in spec.engine.items() if k != "kind"}
+        return VLLMEngine(VLLMSettings(**opts), tokenizer, Path(spec.out_dir) / "vllm", max_prompt_tokens=spec.grpo.max_prompt_tokens)
+    raise ValueError(f"grpo.engine={kind!r} is invalid: must be hf or vllm")
+
+
+def run_training(
+    spec: TrainSpec,
+    *,
+    dist: Dist | None = None,
+    backend_factory: Callable[..., Any] | None = None,
+    callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+    device: str | None = None,
+) -> Path:
+    """Build model, tokenizer and env from the spec's factories and train in this process."""
+    dist = dist or Dist()
+    model, tokenizer = spec.model.build()
+    suite = spec.env.build()
+    engine = _make_engine(spec, dist, tokenizer)
+    try:
+        trainer = GRPOTrainer(
+            model, tokenizer, suite, spec.grpo, spec.out_dir, engine=engine, backend_factory=backend_factory,
+            dist=dist, callbacks=callbacks, device=device,
+        )  # fmt: skip
+        return trainer.train()
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(spec_path: Path, launcher: LauncherSettings) -> list[str]:
+    """The subprocess command line for a DeepSpeed launcher kind."""
+    port = str(launcher.master_port or _free_port())
+    if launcher.command == "torchrun":
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            f"--nproc_per_node={launcher.nproc}", f"--master_port={port}",
+            "-m", "tracekit.rl.launch", "--spec", str(spec_path), "--zero-stage", str(launcher.zero_stage),
+        ]  # fmt: skip
+    return [
+        "deepspeed", f"--num_gpus={launcher.nproc}", f"--master_port={port}",
+        "--module", "tracekit.rl.launch", "--spec", str(spec_path), "--zero-stage", str(launcher.zero_stage),
+    ]  # fmt: skip
+
+
+def train(
+    spec: TrainSpec,
+    launcher: LauncherSettings | None = None,
+    callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+    timeout_s: float | None = None,
+) -> Path:
+    """Train one adapter; returns ``<out_dir>/adapter`` (peft format). See the module docstring."""
+    launcher = launcher or LauncherSettings()
+    if launcher.kind == "local":
+        return run_training(spec, callbacks=callbacks)
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "train_spec.json"
+    atomic_write_json(spec_path, spec.to_json())
+    cmd = launch_command(spec_path, launcher)
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # the repo root, for an uninstalled checkout
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log_path = out / "train_launch.log"
+    log.info("launching %s (log: %s)", " ".join(cmd), log_path)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+        raise RuntimeError(f"{launcher.kind} training exited with code {proc.returncode}: {tail[0][:300]} (full log: {log_path})")
+    metrics = out / "metrics.csv"
+    if metrics.exists():
+        for row in csv.DictReader(io.StringIO(metrics.read_text())):
+            for cb in callbacks:
+                cb({k: _num(v) for k, v in row.items()})
+    return out / "adapter"
+
+
+def _num(v: str) -> Any:
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return int(f) if f.is_integer() and "." not in v else f
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Worker entry point under torchrun/deepspeed: one rank of a ZeRO data-parallel run."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--zero-stage", type=int, choices=(2, 3), required=True)
+    ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise SystemExit(f"{key} is not set: run this under torchrun or deepspeed")
+    import deepspeed
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    dist = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
+    spec = TrainSpec.from_json(read_json(args.spec))
+    device = f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu"
+    run_training(
+        spec,
+        dist=dist,
+        backend_factory=lambda model, s: DeepSpeedBackend(model, s, args.zero_stage, dist.world),
+        device=device,
+    )
+    import torch.distributed as td
+
+    td.barrier()
+    td.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

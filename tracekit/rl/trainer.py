@@ -1,0 +1,697 @@
+"""GRPO with a LoRA adapter on a frozen backbone, on any :class:`EnvSuite` (paper sec. 3.4, App. A).
+
+One iteration, top to bottom (:meth:`GRPOTrainer.iteration`):
+
+1. sync the adapter to the rollout engine (hf: nothing; vllm: save + runtime LoRA load);
+2. sample G (task, env seed) pairs; run K episodes per pair at temperature 1.0 with the current
+   adapter (on-policy), recording each turn's exact prompt/completion ids and log-probs;
+3. group advantages, eq. (1); drop groups whose K rewards are all equal (counted); optionally
+   sample more groups until G informative ones are found (DAPO-style dynamic sampling, off);
+4. build exact training rows (``tokens.build_rows``), then for each epoch and minibatch:
+   length-bucketed microbatches -> chunked log-probs of generated tokens -> eq. (2) (+ k3 KL,
+   + TIS) -> backward; clip the gradient norm; AdamW step on the adapter only;
+5. metrics row (CSV + callbacks); a checkpoint every ``checkpoint_every`` iterations.
+
+The same loop runs single-process or data-parallel under DeepSpeed ZeRO (``tracekit.rl.launch``):
+each rank rolls out its share of the groups, and eq. (2)'s ``1/|B|`` uses the global trajectory
+count, so the summed gradient equals the single-process one.
+
+Defaults and why:
+- LoRA on q,k,v,o,gate,up,down: the paper applies LoRA to "all attention and MLP projections";
+  rank 32 / alpha 64: with rank 32 on those projections of Qwen3-30B-A3B (all 128 experts) the
+  adapter has 1.69B parameters, the closest power of two to the paper's "~1.6B (5.3%)" (rank 16
+  would give 0.84B); alpha = 2 x rank is the common LoRA scaling.
+- G=4 groups x K=8: the paper reports 5,120 rollouts for 4 capabilities x 40 iterations, i.e. 32
+  rollouts per iteration; the split into G x K is not given.
+- ``old_logprobs='rollout'``: rho is taken against the log-probs the rollout engine reported
+  (eq. (2)'s pi_old). ``recompute`` re-scores the batch with the trainer first; with ``tis_cap``
+  set, the trainer's re-scored log-probs are pi_old and ``min(pi_old/pi_rollout, cap)`` reweights
+  each token (truncated importance sampling for engine/trainer numerics mismatch, e.g. vLLM).
+- ``num_minibatches=4``: several optimizer steps per rollout batch, so the ratio leaves 1 and
+  the clip matters, as in the official trainer (which steps every 4 samples); the paper gives no
+  number.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json, write_jsonl
+from tracekit.envs.base import EnvSuite
+from tracekit.rl import grpo
+from tracekit.rl.episodes import EpisodeSpec, run_episodes, tool_calls
+from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
+from tracekit.types import Trajectory, stable_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class GRPOSettings:
+    """Every knob of the recipe (the ``grpo`` config group maps onto this one-to-one)."""
+
+    iterations: int = 40
+    groups: int = 4  # G seeds per iteration
+    group_size: int = 8  # K rollouts per seed
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512  # per assistant turn
+    max_turns: int = 50  # assistant turns per episode (the paper's 50 interaction steps)
+    max_prompt_tokens: int = 32000  # context budget (the paper's 32,000)
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # DAPO clip-higher; None = clip_eps (eq. (2))
+    adv_eps: float = 1e-6
+    kl_beta: float = 0.0  # k3 KL to the frozen base (adapter disabled); 0 = off (paper)
+    old_logprobs: str = "rollout"  # rollout | recompute
+    tis_cap: float | None = None  # truncated importance sampling cap; needs old_logprobs=recompute
+    filter_zero_variance: bool = True
+    dynamic_resampling: bool = False
+    max_resample_rounds: int = 4
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    epochs: int = 1  # passes over each rollout batch
+    num_minibatches: int = 4  # optimizer steps per epoch
+    microbatch_tokens: int = 8192  # padded tokens per forward/backward (length bucketing)
+    logprob_chunk: int = 1024  # rows of the [tokens x vocab] logits alive at once
+    rollout_batch_size: int = 64  # sequences per generate call (hf engine)
+    gradient_checkpointing: bool = False
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    seed: int = 0
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        checks = [
+            (self.group_size >= 2, "group_size", ">= 2"),
+            (self.groups >= 1, "groups", ">= 1"),
+            (self.iterations >= 1, "iterations", ">= 1"),
+            (self.temperature > 0, "temperature", "> 0"),
+            (0 < self.clip_eps < 1, "clip_eps", "in (0, 1)"),
+            (self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high", "> 0 or null"),
+            (self.kl_beta >= 0, "kl_beta", ">= 0"),
+            (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
+            (self.tis_cap is None or (self.tis_cap >= 1 and self.old_logprobs == "recompute"), "tis_cap", ">= 1 with old_logprobs=recompute, or null"),
+            (self.num_minibatches >= 1 and self.epochs >= 1, "num_minibatches/epochs", ">= 1"),
+            (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
+            (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
+            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
+        ]
+        for ok, key, valid in checks:
+            if not ok:
+                raise ValueError(f"grpo.{key}={getattr(self, key.split('/')[0])!r} is invalid: must be {valid}")
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed helpers (no-ops in a single process)
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        if not self.active:
+            return [float(v) for v in values]
+        import torch.distributed as td
+
+        t = torch.tensor(list(values), dtype=torch.float64, device=_comm_device())
+        td.all_reduce(t, op=td.ReduceOp.SUM)
+        return t.cpu().tolist()
+
+    def max(self, value: int) -> int:
+        if not self.active:
+            return value
+        import torch.distributed as td
+
+        t = torch.tensor([value], dtype=torch.long, device=_comm_device())
+        td.all_reduce(t, op=td.ReduceOp.MAX)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as td
+
+            td.barrier()
+
+
+def _comm_device() -> torch.device:
+    import torch.distributed as td
+
+    return torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Model plumbing
+
+
+def build_peft_model(model: torch.nn.Module, lora: LoraSettings, seed: int) -> torch.nn.Module:
+    """Freeze ``model`` and add a fresh LoRA adapter (init seeded: same seed -> same adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in lora.target_modules if t not in names]
+    if missing:
+        raise ValueError(f"grpo.lora.target_modules {missing} match no module of {type(model).__name__}")
+    cfg = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, cfg)
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers CausalLM inside a peft / DeepSpeed wrapper (LoRA layers stay injected)."""
+    m = getattr(model, "module", model)  # DeepSpeed engine
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
+def lm_head_weight(lm: torch.nn.Module):
+    """A context giving the lm_head weight, gathered if ZeRO-3 partitioned it (read-only)."""
+    w = lm.get_output_embeddings().weight
+    if hasattr(w, "ds_id"):
+        import deepspeed
+
+        class _Gathered:
+            def __enter__(self):
+                self.ctx = deepspeed.zero.GatheredParameters([w], modifier_rank=None)
+                self.ctx.__enter__()
+                return w
+
+            def __exit__(self, *exc):
+                return self.ctx.__exit__(*exc)
+
+        return _Gathered()
+    return nullcontext(w)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """Log-probs of the generated tokens of a right-padded batch, flattened in row-major order.
+
+    input_ids/attention_mask/loss_mask: [n, T] -> [M] with M = loss_mask.sum(). The token at t is
+    scored from the hidden state at t - 1; only those M positions go through the lm_head, in
+    ``chunk``-row pieces (``grpo.token_logprobs``), never the full [n*T, V] logits.
+    """
+    lm = causal_lm(model)
+    hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    sel = loss_mask[:, 1:] > 0
+    h = hidden[:, :-1][sel]
+    targets = input_ids[:, 1:][sel]
+    with lm_head_weight(lm) as w:
+        return grpo.token_logprobs(h, w, targets, temperature=temperature, chunk=chunk)
+
+
+class LocalBackend:
+    """AdamW on the adapter's parameters in this process."""
+
+    loss_scale = 1.0
+
+    def __init__(self, model: torch.nn.Module, s: GRPOSettings):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad_clip = s.grad_clip
+        self.opt = torch.optim.AdamW(self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save(self, d: Path, rank: int) -> None:
+        torch.save(self.opt.state_dict(), d / "optimizer.pt")
+
+    def load(self, d: Path, rank: int) -> None:
+        self.opt.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
+
+
+def _rng_state() -> dict[str, Any]:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+METRIC_COLUMNS = [
+    "iteration", "reward_mean", "reward_std", "success_rate", "groups", "groups_dropped", "frac_groups_dropped",
+    "resample_rounds", "trajectories_kept", "loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean",
+    "grad_norm", "optimizer_steps", "tokens_generated", "tokens_forward", "rows", "episode_turns_mean",
+    "episode_tokens_mean", "tool_calls_mean", "time_rollout_s", "time_update_s", "time_total_s",
+]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+
+
+class GRPOTrainer:
+    """GRPO for one LoRA adapter on ``suite`` (see the module docstring for the recipe).
+
+    ``model`` is the plain backbone (frozen here) and ``tokenizer`` its tokenizer with a chat
+    template. ``engine`` defaults to the in-process hf engine on the live model; ``backend``
+    (optimizer) defaults to :class:`LocalBackend`; ``tracekit.rl.launch`` passes a DeepSpeed one.
+    ``callbacks`` get each iteration's metrics dict (rank 0); one that raises stops training after
+    that iteration's checkpoint logic ran.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        suite: EnvSuite,
+        settings: GRPOSettings,
+        out_dir: str | Path,
+        *,
+        engine: Any = None,
+        backend_factory: Callable[[torch.nn.Module, GRPOSettings], Any] | None = None,
+        dist: Dist | None = None,
+        callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+        device: str | torch.device | None = None,
+    ):
+        self.s = settings
+        self.suite = suite
+        self.tokenizer = tokenizer
+        self.out = Path(out_dir)
+        self.dist = dist or Dist()
+        self.callbacks = list(callbacks)
+        self.device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
+        model = model.to(device=self.device, dtype=dtype)
+        self.model = build_peft_model(model, settings.lora, settings.seed)
+        if settings.gradient_checkpointing:
+            causal_lm(self.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.backend = (backend_factory or LocalBackend)(self.model, settings)
+        if engine is None:
+            from tracekit.rl.engines import HFEngine
+
+            engine = HFEngine(self.model, tokenizer, max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.rollout_batch_size)
+        self.engine = engine
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.start_iteration = 0
+        self.rows_csv: list[dict[str, Any]] = []
+
+    # ---- paths -----------------------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.out / "adapter"
+
+    # ---- the loop --------------------------------------------------------------------------
+    def train(self) -> Path:
+        """Run (or resume) all iterations; return the final adapter directory (peft format)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not self.resume():  # a fresh run seeds the global RNGs (LoRA dropout draws from torch's)
+            random.seed(self.s.seed)
+            np.random.seed(self.s.seed)
+            torch.manual_seed(self.s.seed + self.dist.rank)
+        from tqdm import tqdm
+
+        its = range(self.start_iteration, self.s.iterations)
+        for it in tqdm(its, desc=f"grpo {self.suite.name}", disable=self.dist.rank != 0, initial=self.start_iteration, total=self.s.iterations):
+            metrics = self.iteration(it)
+            if self.dist.rank == 0:
+                self.rows_csv.append(metrics)
+                atomic_write_text(self.out / "metrics.csv", _to_csv(self.rows_csv))
+            if (it + 1) % self.s.checkpoint_every == 0 or it + 1 == self.s.iterations:
+                self.save_checkpoint(it)
+            if self.dist.rank == 0:
+                log.info("iter %d reward %.3f dropped %d/%d", it, metrics["reward_mean"], metrics["groups_dropped"], metrics["groups"])
+                for cb in self.callbacks:
+                    cb(metrics)
+        self.save_adapter(self.adapter_dir)
+        self.dist.barrier()
+        return self.adapter_dir
+
+    def iteration(self, it: int) -> dict[str, Any]:
+        t0 = time.time()
+        self.engine.sync(it, self.save_adapter)
+        trajs, stats = self.collect(it)
+        t1 = time.time()
+        upd = self.update_on(trajs, it)
+        t2 = time.time()
+        return {"iteration": it, **stats, **upd, "time_rollout_s": t1 - t0, "time_update_s": t2 - t1, "time_total_s": t2 - t0}
+
+    # ---- rollouts --------------------------------------------------------------------------
+    def _sample_groups(self, it: int, rnd: int, n: int) -> list[tuple[Any, int]]:
+        """n (task, env seed) pairs, the same on every rank, from (seed, iteration, round)."""
+        tasks = self.suite.tasks()
+        if not tasks:
+            raise ValueError(f"environment {self.suite.name} has no tasks")
+        rng = random.Random(int(stable_hash([self.s.seed, it, rnd], 15), 16))
+        return [(tasks[rng.randrange(len(tasks))], rng.randrange(2**31)) for _ in range(n)]
+
+    def collect(self, it: int) -> tuple[list[Trajectory], dict[str, Any]]:
+        """Roll out groups (this rank's share), drop zero-variance groups, optionally refill.
+
+        Returns this rank's kept trajectories, each with ``info['advantage']``, and global stats.
+        """
+        s, K = self.s, self.s.group_size
+        kept: list[Trajectory] = []
+        all_trajs: list[Trajectory] = []
+        n_kept_global, total_groups, dropped, rnd, gid = 0, 0, 0, 0, 0
+        while True:
+            need = s.groups if rnd == 0 else s.groups - n_kept_global
+            pairs = self._sample_groups(it, rnd, need)
+            mine = [g for g in range(len(pairs)) if g % self.dist.world == self.dist.rank]
+            specs = [
+                EpisodeSpec(task=pairs[g][0], seed=pairs[g][1], sample=k, group=gid + g) for g in mine for k in range(K)
+            ]
+            trajs = run_episodes(
+                self.engine.client,
+                self.suite,
+                specs,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_new_tokens=s.max_new_tokens,
+                max_turns=s.max_turns,
+                sample_seed=int(stable_hash([s.seed, it, rnd], 15), 16),
+            )
+            all_trajs += trajs
+            keep_flags = [0.0] * len(pairs)
+            for j, g in enumerate(mine):
+                group = trajs[j * K : (j + 1) * K]
+                rewards = torch.tensor([[t.reward for t in group]], dtype=torch.float64)
+                keep, _ = grpo.zero_variance_filter(rewards)
+                adv = grpo.group_advantages(rewards, s.adv_eps)[0]
+                if bool(keep[0]) or not s.filter_zero_variance:
+                    keep_flags[g] = 1.0
+                    for t, a in zip(group, adv.tolist()):
+                        t.info["advantage"] = a
+                    kept += group
+            keep_flags = self.dist.sum(keep_flags)  # global view: which groups of this round are kept
+            total_groups += len(pairs)
+            dropped += int(len(pairs) - sum(keep_flags))
+            n_kept_global += int(sum(keep_flags))  # <= G: a round samples only the groups still missing
+            gid += len(pairs)
+            rnd += 1
+            if not s.dynamic_resampling or n_kept_global >= s.groups or rnd > s.max_resample_rounds:
+                break
+        self._save_rollouts(it, all_trajs)
+        return kept, self._rollout_stats(all_trajs, total_groups, dropped, rnd - 1, n_kept_global * K)
+
+    def _rollout_stats(self, trajs: list[Trajectory], groups: int, dropped: int, rounds: int, kept: int) -> dict[str, Any]:
+        rewards = [t.reward for t in trajs]
+        gen = [sum(len(tt["completion_ids"]) for tt in t.info["turns"]) for t in trajs]
+        n, r1, r2, succ, turns, toks, calls = self.dist.sum(
+            [
+                len(trajs),
+                sum(rewards),
+                sum(r * r for r in rewards),
+                sum(t.success for t in trajs),
+                sum(len(t.info["turns"]) for t in trajs),
+                sum(gen),
+                sum(tool_calls(t.messages) for t in trajs),
+            ]
+        )
+        mean = r1 / max(n, 1)
+        return {
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(r2 / max(n, 1) - mean * mean, 0.0)),
+            "success_rate": succ / max(n, 1),
+            "groups": groups,
+            "groups_dropped": dropped,
+            "frac_groups_dropped": dropped / max(groups, 1),
+            "resample_rounds": rounds,
+            "trajectories_kept": kept,
+            "tokens_generated": int(toks),
+            "episode_turns_mean": turns / max(n, 1),
+            "episode_tokens_mean": toks / max(n, 1),
+            "tool_calls_mean": calls / max(n, 1),
+        }
+
+    def _save_rollouts(self, it: int, trajs: list[Trajectory]) -> None:
+        if self.s.save_rollouts == "none":
+            return
+        rows = []
+        for t in trajs:
+            d = t.model_dump(mode="json")
+            if self.s.save_rollouts == "messages":
+                d["info"] = {k: v for k, v in d["info"].items() if k != "turns"}
+            rows.append(d)
+        suffix = f".rank{self.dist.rank}" if self.dist.active else ""
+        write_jsonl(self.out / "rollouts" / f"iter_{it:05d}{suffix}.jsonl", rows)
+
+    # ---- the update ------------------------------------------------------------------------
+    def update_on(self, trajs: list[Trajectory], it: int) -> dict[str, Any]:
+        """Eq. (2) updates on this rank's kept trajectories (``info['advantage']`` set by collect)."""
+        s = self.s
+        rows_by_traj = [
+            rows_for_trajectory([Turn.from_dict(d) for d in t.info["turns"]], float(t.info["advantage"]), i)
+            for i, t in enumerate(trajs)
+        ]
+        rows_by_traj = [r for r in rows_by_traj if r]  # a trajectory with no generated token trains nothing
+        all_rows = [r for rs in rows_by_traj for r in rs]
+        old = self._score(all_rows, adapter=True) if s.old_logprobs == "recompute" else None
+        ref = self._score(all_rows, adapter=False) if s.kl_beta > 0 else None
+        extra = {id(r): {} for r in all_rows}
+        for j, r in enumerate(all_rows):
+            if old is not None:
+                extra[id(r)]["old"] = old[j]
+            if ref is not None:
+                extra[id(r)]["ref"] = ref[j]
+        rng = random.Random(int(stable_hash([s.seed, it, "minibatches"], 15), 16))
+        acc = dict(loss=0.0, policy=0.0, kl=0.0, clip=0.0, ratio=0.0, akl=0.0, tok=0.0, grad=[], fwd=0.0, rows=0.0)
+        self.model.train()
+        for epoch in range(s.epochs):
+            order = list(range(len(rows_by_traj)))
+            rng.shuffle(order)
+            for chunk in np.array_split(np.array(order, dtype=np.int64), s.num_minibatches):
+                mb_rows = [r for i in chunk.tolist() for r in rows_by_traj[i]]
+                (b_global,) = self.dist.sum([len(chunk)])
+                if b_global == 0:
+                    continue
+                self._minibatch_step(mb_rows, int(b_global), extra, acc)
+        self.model.eval()
+        tot = self.dist.sum([acc["loss"], acc["policy"], acc["kl"], acc["clip"], acc["ratio"], acc["akl"], acc["tok"], acc["fwd"], acc["rows"]])
+        steps = len(acc["grad"])
+        ntok = max(tot[6], 1.0)
+        return {
+            "loss": tot[0] / max(steps, 1),
+            "policy_loss": tot[1] / max(steps, 1),
+            "kl": tot[2] / max(steps, 1),
+            "clip_frac": tot[3] / ntok,
+            "ratio_mean": tot[4] / ntok if tot[6] else 1.0,
+            "approx_kl": tot[5] / ntok,
+            "grad_norm": float(np.mean(acc["grad"])) if acc["grad"] else 0.0,
+            "optimizer_steps": steps,
+            "tokens_forward": int(tot[7]),
+            "rows": int(tot[8]),
+        }
+
+    def _minibatch_step(self, rows: list[PolicyRow], b_global: int, extra: dict[int, dict], acc: dict) -> None:
+        s = self.s
+        micro = pack_microbatches([len(r) for r in rows], s.microbatch_tokens) if rows else []
+        n_micro = self.dist.max(len(micro))  # every rank runs as many backward passes (ZeRO collectives)
+        for j in range(n_micro):
+            dummy = j >= len(micro)
+            mrows = [rows[i] for i in micro[j]] if not dummy else [self._dummy_row()]
+            b = collate(mrows, self.pad_id)
+            dev = self.device
+            ids, attn, lmask = b.input_ids.to(dev), b.attention_mask.to(dev), b.loss_mask.to(dev)
+            logp = sequence_logprobs(self.model, ids, attn, lmask, temperature=s.temperature, chunk=s.logprob_chunk)
+            sel = b.loss_mask[:, 1:] > 0
+            rollout_lp = b.rollout_logprobs[:, 1:][sel].to(dev)
+            adv = grpo.token_advantages(b.advantages, b.loss_mask)[:, 1:][sel].to(dev)
+            w = grpo.trajectory_token_weights(b.loss_mask, b.traj_tokens, b_global)[:, 1:][sel].to(dev)
+            if dummy:
+                w = torch.zeros_like(w)
+            old = self._flat(mrows, extra, "old", dev) if s.old_logprobs == "recompute" and not dummy else rollout_lp
+            ref = self._flat(mrows, extra, "ref", dev) if s.kl_beta > 0 and not dummy else None
+            isw = grpo.truncated_is_weights(old, rollout_lp, s.tis_cap) if s.tis_cap is not None and not dummy else None
+            out = grpo.grpo_loss(
+                logp, old, adv, w, clip_eps=s.clip_eps, clip_eps_high=s.clip_eps_high, ref_logp=ref, kl_beta=s.kl_beta, is_weights=isw
+            )
+            self.backend.backward(out.loss * self.backend.loss_scale, boundary=j == n_micro - 1)
+            acc["loss"] += float(out.loss.detach())
+            acc["policy"] += float(out.policy_loss)
+            acc["kl"] += float(out.kl)
+            acc["clip"] += float(out.clip_count)
+            acc["ratio"] += float(out.ratio_sum)
+            acc["akl"] += float(out.approx_kl_sum)
+            acc["tok"] += float(out.tokens)
+            if not dummy:
+                acc["fwd"] += float(b.attention_mask.sum())
+                acc["rows"] += len(mrows)
+        acc["grad"].append(self.backend.step())
+
+    def _dummy_row(self) -> PolicyRow:
+        """A 2-token row with zero loss weight: keeps ranks' backward counts equal."""
+        return PolicyRow([self.pad_id, self.pad_id], [0, 1], [0.0, 0.0], 0.0, -1, 1)
+
+    @staticmethod
+    def _flat(rows: list[PolicyRow], extra: dict[int, dict], key: str, dev: torch.device) -> torch.Tensor:
+        return torch.cat([extra[id(r)][key] for r in rows]).to(dev)
+
+    @torch.no_grad()
+    def _score(self, rows: list[PolicyRow], adapter: bool) -> list[torch.Tensor]:
+        """Per-row log-probs of the generated tokens (eval mode), with the adapter on or off."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        self.model.eval()
+        ctx = nullcontext() if adapter else self.model.disable_adapter()
+        with ctx:
+            for idx in pack_microbatches([len(r) for r in rows], self.s.microbatch_tokens):
+                b = collate([rows[i] for i in idx], self.pad_id)
+                lp = sequence_logprobs(
+                    self.model,
+                    b.input_ids.to(self.device),
+                    b.attention_mask.to(self.device),
+                    b.loss_mask.to(self.device),
+                    temperature=self.s.temperature,
+                    chunk=self.s.logprob_chunk,
+                ).float().cpu()
+                counts = (b.loss_mask[:, 1:] > 0).sum(1).tolist()
+                for i, piece in zip(idx, torch.split(lp, counts)):
+                    out[i] = piece
+        return out  # type: ignore[return-value]
+
+    # ---- adapter and checkpoints -----------------------------------------------------------
+    def _gathered(self):
+        """All ranks enter: full adapter tensors even if ZeRO-3 partitioned them."""
+        return getattr(self.backend, "gathered_adapter", nullcontext)()
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors (peft names), on CPU."""
+        from peft import get_peft_model_state_dict
+
+        with self._gathered():
+            return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def save_adapter(self, path: Path) -> None:
+        """peft ``save_pretrained`` into ``path``, atomically (rank 0 writes; all ranks wait)."""
+        with self._gathered():
+            if self.dist.rank == 0:
+                _atomic_dir(Path(path), lambda tmp: self.model.save_pretrained(str(tmp)))
+        self.dist.barrier()
+
+    def save_checkpoint(self, it: int) -> None:
+        """Adapter, optimizer, RNG states and iteration under checkpoints/iter_<it>, then ``latest.json``."""
+        final = self.ckpt_root / f"iter_{it:05d}"
+        tmp = self.ckpt_root / f".iter_{it:05d}.tmp"
+        if self.dist.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.dist.barrier()
+        with self._gathered():
+            if self.dist.rank == 0:
+                self.model.save_pretrained(str(tmp / "adapter"))
+                atomic_write_json(tmp / "state.json", {"iteration": it, "settings": asdict(self.s)})
+        self.backend.save(tmp, self.dist.rank)
+        torch.save(_rng_state(), tmp / f"rng_rank{self.dist.rank}.pt")
+        self.dist.barrier()
+        if self.dist.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)  # an unreferenced leftover of a killed run
+            os.replace(tmp, final)
+            atomic_write_json(self.ckpt_root / "latest.json", {"iteration": it, "dir": final.name})
+            old = sorted(p for p in self.ckpt_root.glob("iter_*") if p.is_dir())[: -self.s.keep_checkpoints]
+            for p in old:
+                shutil.rmtree(p, ignore_errors=True)
+        self.dist.barrier()
+
+    def resume(self) -> bool:
+        """Continue from ``checkpoints/latest.json`` if present (adapter, optimizer, RNG, iteration)."""
+        latest = self.ckpt_root / "latest.json"
+        if not latest.exists():
+            return False
+        meta = read_json(latest)
+        d = self.ckpt_root / meta["dir"]
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if not getattr(self.backend, "restores_module", False):  # DeepSpeed restores the adapter itself
+            set_peft_model_state_dict(self.model, load_file(str(d / "adapter" / "adapter_model.safetensors")))
+        self.backend.load(d, self.dist.rank)
+        _set_rng_state(torch.load(d / f"rng_rank{self.dist.rank}.pt", weights_only=False))
+        self.start_iteration = int(meta["iteration"]) + 1
+        if (self.out / "metrics.csv").exists():
+            rows = list(csv.DictReader(io.StringIO((self.out / "metrics.csv").read_text())))
+            self.rows_csv = [r for r in rows if int(r["iteration"]) <= int(meta["iteration"])]
+        log.info("resumed from %s (next iteration %d)", d, self.start_iteration)
+        return True
+
+
+def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory via a temp sibling and renames (never a half-written ``final``)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    write(tmp)
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _to_csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k, "") for k in METRIC_COLUMNS})
+    return buf.getvalue()

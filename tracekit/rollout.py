@@ -1,0 +1,353 @@
+"""The rollout runner: tasks x samples episodes, batched across episodes, resumable.
+
+Up to ``batch_size`` episodes are live at once. Each round the agent answers every live episode in
+one ``act`` call (one batched model call), each episode is stepped (``suite.step_batch``, which
+also batches simulated-user replies), finished episodes are scored and appended to
+``trajectories.jsonl`` (one fsynced line each), and the freed slots are refilled.
+
+Budgets: at most ``max_steps`` agent actions per episode (``max_steps`` termination); before each
+action the prompt is measured with ``agent.count_tokens`` and the episode ends with
+``context_overflow`` when prompt + ``agent.max_new_tokens`` would exceed ``context_budget``
+(the paper's 32k context). Both endings score 0, as any premature tau^2 ending does.
+
+Seeds: greedy agents (temperature 0) use ``seed`` for every episode (the paper's T=0, seed 42);
+sampling agents derive one seed per episode from (seed, task, sample), see :func:`episode_seed`.
+
+Resume: on start the runner reads what ``trajectories.jsonl`` already holds (a line torn by a kill
+is dropped) and runs only the missing (task, sample) pairs, so a killed run finishes with exactly
+one trajectory per pair. ``rollout_meta.json`` pins the settings the file was produced with; a
+resume with different settings is refused.
+
+Failures: an exception inside one episode (environment, user, agent parsing, evaluation) is
+recorded on its trajectory (``error``, termination ``error``, reward 0) and counted in the summary;
+an :class:`~tracekit.llm.base.EndpointError` (the model server is gone) aborts the run, keeping
+everything written so far for the resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tracekit.agents import Agent, AgentState
+from tracekit.artifacts import JsonlAppender, atomic_write_json, iter_jsonl, read_json
+from tracekit.envs.base import Episode, EnvSuite
+from tracekit.llm.base import ChatResponse, EndpointError
+from tracekit.types import Message, Task, TokenRecord, Trajectory, stable_hash
+
+log = logging.getLogger(__name__)
+
+TRAJECTORIES = "trajectories.jsonl"
+META = "rollout_meta.json"
+
+
+def episode_seed(seed: int, task_id: str, sample: int, sampled: bool) -> int:
+    """Greedy: ``seed``. Sampled: ``int(sha256([seed, task_id, sample])[:16], 16) mod 2^31``."""
+    if not sampled:
+        return seed
+    return int(stable_hash([seed, task_id, sample]), 16) % 2**31
+
+
+def single_token_record(turns: list[dict[str, Any]]) -> TokenRecord | None:
+    """One exact :class:`TokenRecord` for an episode's turns, or None where none exists.
+
+    Turn ``k``'s prompt must start with everything before it (turn ``k-1``'s prompt + completion);
+    then the record is the last prompt + its completion, ``loss_mask = 1`` exactly on generated
+    tokens and ``logprobs`` their rollout log-probs (0.0 elsewhere). When a chat template
+    re-renders history differently (prefix broken) there is no single exact sequence: None, and
+    the per-turn ids in ``Trajectory.info['turns']`` remain the source of truth.
+    """
+    if not turns:
+        return None
+    ids: list[int] = []
+    mask: list[int] = []
+    logps: list[float] = []
+    for t in turns:
+        prompt, comp, lp = t["prompt_ids"], t["completion_ids"], t["completion_logprobs"]
+        if len(lp) != len(comp) or prompt[: len(ids)] != ids:
+            return None
+        rest = prompt[len(ids):]
+        ids += list(rest) + list(comp)
+        mask += [0] * len(rest) + [1] * len(comp)
+        logps += [0.0] * len(rest) + [float(x) for x in lp]
+    return TokenRecord(token_ids=ids, logprobs=logps, loss_mask=mask)
+
+
+@dataclass
+class RolloutSummary:
+    """What a rollout call produced; counts cover the requested (task, sample) pairs."""
+
+    path: str
+    total: int  # requested pairs = tasks x samples
+    resumed: int  # pairs already in the file when the call started
+    ran: int  # episodes run by this call
+    errors: int  # trajectories recorded with an exception
+    terminations: dict[str, int] = field(default_factory=dict)
+    mean_reward: float = 0.0
+    success_rate: float = 0.0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Live:
+    task: Task
+    sample: int
+    seed: int
+    started: float
+    episode: Episode | None = None
+    messages: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    turn: int = 0
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _settings(suite: EnvSuite, agent: Agent, seed: int, max_steps: int, context_budget: int) -> dict[str, Any]:
+    return {
+        "suite": suite.name,
+        "agent": agent.name,
+        "temperature": float(getattr(agent, "temperature", 0.0)),
+        "seed": seed,
+        "max_steps": max_steps,
+        "context_budget": context_budget,
+    }
+
+
+def load_done(path: Path) -> dict[tuple[str, int], Trajectory]:
+    """Trajectories already in ``path`` keyed by (task_id, sample); a duplicate pair raises."""
+    done: dict[tuple[str, int], Trajectory] = {}
+    if not path.exists():
+        return done
+    for t in iter_jsonl(path, Trajectory):
+        key = (t.task_id, t.sample)
+        if key in done:
+            raise ValueError(f"{path}: two trajectories for task {t.task_id} sample {t.sample}")
+        done[key] = t
+    return done
+
+
+def run_rollouts(
+    suite: EnvSuite,
+    agent: Agent,
+    out_dir: str | Path,
+    samples: int = 1,
+    seed: int = 42,
+    max_steps: int = 50,
+    context_budget: int = 32000,
+    batch_size: int = 8,
+    tasks: list[Task] | None = None,
+    progress: bool = True,
+) -> RolloutSummary:
+    """Run every (task, sample) of ``tasks`` (default: ``suite.tasks()``) missing from
+    ``out_dir/trajectories.jsonl`` and return the summary over all requested pairs.
+
+    The simulated user (if any) is part of the suite (e.g. ``Tau2Suite(user=...)``).
+    """
+    if samples < 1 or max_steps < 1 or context_budget < 1 or batch_size < 1:
+        raise ValueError(
+            f"samples, max_steps, context_budget and batch_size must be >= 1 "
+            f"(got {samples}, {max_steps}, {context_budget}, {batch_size})"
+        )
+    t_start = time.time()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / TRAJECTORIES
+    settings = _settings(suite, agent, seed, max_steps, context_budget)
+    meta_path = out_dir / META
+    if meta_path.exists():
+        old = read_json(meta_path)
+        if old != settings:
+            diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+            raise ValueError(f"{out_dir} holds rollouts made with other settings (old, new): {diff}")
+    else:
+        atomic_write_json(meta_path, settings)
+
+    tasks = suite.tasks() if tasks is None else tasks
+    wanted = [(t, s) for t in tasks for s in range(samples)]
+    done = load_done(path)
+    resumed = sum((t.id, s) in done for t, s in wanted)
+    pending = deque((t, s) for t, s in wanted if (t.id, s) not in done)
+    sampled = settings["temperature"] > 0
+    if resumed:
+        log.info("rollout %s: %d of %d episodes already in %s, running %d", suite.name, resumed, len(wanted), path, len(pending))
+
+    ran = 0
+    with JsonlAppender(path) as sink, tqdm(total=len(pending), desc=f"rollout {suite.name}", disable=not progress) as bar:
+
+        def finish(r: _Live, termination: str, error: BaseException | None = None) -> None:
+            nonlocal ran
+            traj = _trajectory(suite, r, termination, error)
+            sink.append(traj)
+            done[(traj.task_id, traj.sample)] = traj
+            ran += 1
+            bar.update(1)
+
+        live: list[_Live] = []
+        while pending or live:
+            fresh: list[_Live] = []
+            while pending and len(live) + len(fresh) < batch_size:
+                task, s = pending.popleft()
+                r = _Live(task, s, episode_seed(seed, task.id, s, sampled), time.time())
+                try:
+                    r.episode = suite.episode(task, r.seed)
+                except Exception as e:  # noqa: BLE001
+                    finish(r, "error", e)
+                    continue
+                fresh.append(r)
+            for r, obs in zip(fresh, suite.reset_batch([r.episode for r in fresh])):
+                if isinstance(obs, Exception):
+                    _raise_if_fatal(obs)
+                    finish(r, "error", obs)
+                    continue
+                r.messages, r.tools = list(obs.messages), list(obs.tools)
+                if obs.done:
+                    finish(r, obs.termination)
+                else:
+                    live.append(r)
+
+            acting: list[_Live] = []
+            for r in live:
+                reason = _budget_exceeded(agent, r, max_steps, context_budget)
+                if reason:
+                    finish(r, reason)
+                else:
+                    acting.append(r)
+            if not acting:
+                live = []
+                continue
+
+            states = [AgentState(r.task, list(r.messages), r.tools, r.seed, r.turn) for r in acting]
+            stepping: list[tuple[_Live, Message]] = []
+            for r, resp in zip(acting, _act(agent, states)):
+                if isinstance(resp, Exception):
+                    finish(r, "error", resp)
+                    continue
+                r.messages.append(resp.message)
+                r.turn += 1
+                if resp.prompt_token_ids is not None and resp.completion_token_ids is not None:
+                    r.turns.append({
+                        "prompt_ids": list(resp.prompt_token_ids),
+                        "completion_ids": list(resp.completion_token_ids),
+                        "completion_logprobs": list(resp.completion_logprobs or []),
+                        "finish_reason": resp.finish_reason,
+                    })
+                stepping.append((r, resp.message))
+
+            results = suite.step_batch([r.episode for r, _ in stepping], [m for _, m in stepping])
+            live = []
+            for (r, _), res in zip(stepping, results):
+                if isinstance(res, Exception):
+                    _raise_if_fatal(res)
+                    finish(r, "error", res)
+                    continue
+                r.messages.extend(res.messages)
+                if res.done:
+                    finish(r, res.termination)
+                else:
+                    live.append(r)
+
+    return _summary(path, wanted, done, resumed, ran, time.time() - t_start)
+
+
+def _budget_exceeded(agent: Agent, r: _Live, max_steps: int, context_budget: int) -> str | None:
+    if r.turn >= max_steps:
+        return "max_steps"
+    n = agent.count_tokens(r.messages, r.tools)
+    if n is not None and n + agent.max_new_tokens > context_budget:
+        return "context_overflow"
+    return None
+
+
+def _act(agent: Agent, states: list[AgentState]) -> list[ChatResponse | Exception]:
+    """The agent's batched answer; if the batch raises, each state is retried alone so one bad
+    episode cannot fail the others (an EndpointError is fatal)."""
+    try:
+        return list(agent.act(states))
+    except EndpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        if len(states) == 1:
+            return [e]
+        log.warning("batched agent call failed (%s: %s); retrying %d episodes one by one", type(e).__name__, e, len(states))
+    out: list[ChatResponse | Exception] = []
+    for s in states:
+        try:
+            out.append(agent.act([s])[0])
+        except EndpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            out.append(e)
+    return out
+
+
+def _raise_if_fatal(e: Exception) -> None:
+    if isinstance(e, EndpointError):
+        raise e
+
+
+def _trajectory(suite: EnvSuite, r: _Live, termination: str, error: BaseException | None) -> Trajectory:
+    info: dict[str, Any] = {"steps": r.turn}
+    reward, success = 0.0, False
+    if error is None and r.episode is not None:
+        try:
+            outcome = r.episode.outcome()
+            reward, success = outcome.reward, outcome.success
+            info.update(outcome.info)
+        except Exception as e:  # noqa: BLE001 - evaluation failures are recorded like any other
+            error = e
+    if error is not None:
+        termination = "error"
+        reward, success = 0.0, False
+        info["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+        log.warning("episode %s/%s failed: %s: %s", r.task.id, r.sample, type(error).__name__, error)
+    tokens = None
+    if r.turns:
+        info["turns"] = r.turns
+        tokens = single_token_record(r.turns)
+    info["seconds"] = round(time.time() - r.started, 3)
+    return Trajectory(
+        task_id=r.task.id,
+        env=r.task.env or suite.name,
+        seed=r.seed,
+        sample=r.sample,
+        messages=r.messages,
+        reward=reward,
+        success=success,
+        termination=termination,
+        error=None if error is None else f"{type(error).__name__}: {error}",
+        info=info,
+        tokens=tokens,
+    )
+
+
+def _summary(path: Path, wanted, done, resumed: int, ran: int, seconds: float) -> RolloutSummary:
+    trajs = [done[(t.id, s)] for t, s in wanted if (t.id, s) in done]
+    n = len(trajs)
+    summary = RolloutSummary(
+        path=str(path),
+        total=len(wanted),
+        resumed=resumed,
+        ran=ran,
+        errors=sum(t.error is not None for t in trajs),
+        terminations=dict(Counter(t.termination for t in trajs)),
+        mean_reward=sum(t.reward for t in trajs) / n if n else 0.0,
+        success_rate=sum(t.success for t in trajs) / n if n else 0.0,
+        seconds=round(seconds, 3),
+    )
+    if summary.errors:
+        log.warning("rollout: %d of %d episodes ended with an error (see Trajectory.error)", summary.errors, n)
+    return summary
+
+
+def read_trajectories(out_dir: str | Path) -> list[Trajectory]:
+    """All trajectories of a rollout directory, in file order."""
+    return list(load_done(Path(out_dir) / TRAJECTORIES).values())

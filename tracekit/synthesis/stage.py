@@ -1,0 +1,154 @@
+"""The synthesize stage: one environment package per selected capability, and loading a package back.
+
+A package is a directory ``<out_dir>/<capability>/`` with ``env.json`` (what to run), ``validation.{json,md}``
+and, when calibrated, ``calibration.{json,md}``; a generated package also holds the module ``env.py`` and the
+generation agent's records. ``environments.json`` in ``out_dir`` lists every capability with its status
+(``ready`` or ``skipped`` with the reason), so a capability without an environment is a counted, reported skip.
+
+- ``source="library"`` (offline default): the built-in environment for the capability on the target's family,
+  validated in-process; with a ``rollout_fn`` its difficulty knob is calibrated.
+- ``source="generate"``: the generation agent writes, validates (sandbox), repairs and, with a ``rollout_fn``,
+  mutates a module.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.envs.synthetic import SyntheticSuite, UserKind
+from tracekit.llm.base import ChatClient
+from tracekit.synthesis.agent import AgentConfig, GenerationSpec, generate_environment
+from tracekit.synthesis.calibrate import CalibrationTargets, RolloutFn, calibrate_difficulty, write_calibration
+from tracekit.synthesis.library import find_library_env, library_env
+from tracekit.synthesis.protocol import InProcessBackend
+from tracekit.synthesis.sandbox import SandboxBackend, SandboxLimits
+from tracekit.synthesis.targets import TARGETS
+from tracekit.synthesis.validate import ValidationConfig, validate_env, write_report
+from tracekit.types import Capability, Trajectory
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "environments.json"
+PACKAGE = "env.json"
+
+
+@dataclass
+class SynthesisSettings:
+    source: Literal["library", "generate"] = "library"
+    difficulty: int | None = None  # library default when None
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    targets: CalibrationTargets = field(default_factory=CalibrationTargets)
+    calibration_seeds: int = 4
+    calibration_k: int = 16
+
+
+def trajectory_excerpt(traj: Trajectory, max_chars: int = 1500) -> str:
+    """A failed trajectory as compact text for the generation prompt (tool calls and results included)."""
+    lines = []
+    for m in traj.messages:
+        if m.role == "system":
+            continue
+        if m.tool_calls:
+            lines += [f"assistant -> {c.name}({c.arguments})" for c in m.tool_calls]
+        if m.content:
+            lines.append(f"{m.role}: {' '.join(m.content.split())[:300]}")
+    text = "\n".join(lines)
+    return text if len(text) <= max_chars else text[: max_chars - 20] + "\n[... truncated]"
+
+
+def _capabilities(selected: list[dict[str, Any]] | list[Capability]) -> list[tuple[Capability, list[str]]]:
+    out = []
+    for c in selected:
+        if isinstance(c, Capability):
+            out.append((c, []))
+        else:
+            out.append((Capability(name=c["name"], description=c["description"]),
+                        list(c.get("example_failed_trajectories", []))))
+    return out
+
+
+def synthesize(selected: list[dict[str, Any]] | list[Capability], target: str, out_dir: str | Path,
+               settings: SynthesisSettings = SynthesisSettings(), trajectories: dict[str, Trajectory] | None = None,
+               client: ChatClient | None = None, rollout_fn: RolloutFn | None = None) -> dict[str, Any]:
+    """Build, validate (and calibrate) one environment per capability of ``selected`` (``selected.json``
+    entries or Capability objects); returns and writes the manifest."""
+    out = Path(out_dir)
+    if settings.source == "generate" and client is None:
+        raise ValueError("synthesis.source=generate needs a generation ChatClient")
+    if settings.source == "generate" and target not in TARGETS:
+        raise ValueError(f"generation needs a concrete target, one of {', '.join(TARGETS)}; got {target!r}")
+    entries = []
+    for cap, failed_uids in _capabilities(selected):
+        pkg = out / cap.name
+        if settings.source == "library":
+            entry = _library_package(cap, target, pkg, settings, rollout_fn)
+        else:
+            excerpts = [trajectory_excerpt(trajectories[u]) for u in failed_uids if trajectories and u in trajectories]
+            entry = _generated_package(cap, target, pkg, settings, client, rollout_fn, excerpts)
+        entries.append(entry)
+        log.info("synthesize %s: %s%s", cap.name, entry["status"], f" ({entry['reason']})" if entry.get("reason") else "")
+    manifest = {"source": settings.source, "target": target, "environments": entries,
+                "ready": sum(e["status"] == "ready" for e in entries),
+                "skipped": sum(e["status"] == "skipped" for e in entries)}
+    atomic_write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def _library_package(cap: Capability, target: str, pkg: Path, settings: SynthesisSettings,
+                     rollout_fn: RolloutFn | None) -> dict[str, Any]:
+    cls = find_library_env(cap.name, target)
+    if cls is None:
+        return {"capability": cap.name, "status": "skipped",
+                "reason": f"no built-in environment for {cap.name!r} on {target} (use synthesis.source=generate)"}
+    difficulty = cls.default_difficulty if settings.difficulty is None else settings.difficulty
+    if difficulty not in cls.difficulty_levels:
+        difficulty = cls.default_difficulty
+    if rollout_fn is not None:
+        seeds = list(range(settings.calibration_seeds))
+        report = calibrate_difficulty(lambda d: SyntheticSuite.from_env(cls(d), seeds), cls.difficulty_levels,
+                                      rollout_fn, seeds, settings.calibration_k, settings.targets, start=difficulty,
+                                      name=cls.name)
+        write_calibration(report, pkg)
+        difficulty = report.chosen_difficulty
+    validation = validate_env(cls, difficulty, settings.validation)
+    write_report(validation, pkg)
+    if not validation.passed:  # a built-in env failing validation is a bug: report it, do not train on it
+        return {"capability": cap.name, "status": "skipped", "reason": f"validation failed: {validation.reason}"}
+    atomic_write_json(pkg / PACKAGE, {"kind": "library", "name": cls.name, "capability": cap.name,
+                                      "target": cls.target, "difficulty": difficulty})
+    return {"capability": cap.name, "status": "ready", "kind": "library", "env": cls.name, "difficulty": difficulty}
+
+
+def _generated_package(cap: Capability, target: str, pkg: Path, settings: SynthesisSettings, client: ChatClient,
+                       rollout_fn: RolloutFn | None, excerpts: list[str]) -> dict[str, Any]:
+    spec = GenerationSpec(capability=cap, target=target, failure_excerpts=excerpts)
+    result = generate_environment(client, spec, pkg, settings.agent, rollout_fn)
+    if result.status != "accepted":
+        return {"capability": cap.name, "status": "skipped", "reason": result.reason}
+    difficulty = None
+    if (pkg / "calibration.json").exists():
+        difficulty = read_json(pkg / "calibration.json")["chosen_difficulty"]
+    atomic_write_json(pkg / PACKAGE, {"kind": "generated", "module": "env.py", "capability": cap.name,
+                                      "target": target, "difficulty": difficulty})
+    return {"capability": cap.name, "status": "ready", "kind": "generated", "difficulty": difficulty,
+            "rounds": len(result.rounds), "calibrated": result.calibrated}
+
+
+def open_package(pkg_dir: str | Path, seeds: list[int] | range, user: UserKind = "scripted",
+                 limits: SandboxLimits = SandboxLimits(), **suite_kwargs: Any) -> SyntheticSuite:
+    """The EnvSuite of an environment package (generated code runs only in the sandbox)."""
+    pkg = Path(pkg_dir)
+    meta = read_json(pkg / PACKAGE)
+    if meta["kind"] == "library":
+        backend = InProcessBackend(library_env(meta["name"])(meta["difficulty"]))
+    elif meta["kind"] == "generated":
+        backend = SandboxBackend.from_file(pkg / meta["module"], limits, meta.get("difficulty"))
+    else:
+        raise ValueError(f"{pkg / PACKAGE}: unknown package kind {meta['kind']!r}")
+    return SyntheticSuite(backend, seeds, user=user, **suite_kwargs)
