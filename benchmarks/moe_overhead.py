@@ -70,19 +70,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn, device: str, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _cache_kw(model: torch.nn.Module) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
@@ -94,36 +81,29 @@ def _cache_of(out) -> object:
 
 
 @torch.no_grad()
-def time_prefill(model, ids: torch.Tensor, device: str, warmup: int, repeats: int) -> float:
-    return _median_time(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device, warmup, repeats)
+def time_prefill(model, ids: torch.Tensor, device: str) -> float:
+    """Seconds for one prefill forward (last-position logits only, as generate's prefill)."""
+    _sync(device)
+    t = time.perf_counter()
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    _sync(device)
+    return time.perf_counter() - t
 
 
 @torch.no_grad()
-def time_decode(model, prompt: torch.Tensor, steps: int, kw: str, device: str, warmup: int, repeats: int) -> float:
-    """Seconds per decode step (batch = prompt rows), greedy, on a cache prefilled with ``prompt``.
+def time_decode(model, prompt: torch.Tensor, steps: int, kw: str, device: str) -> float:
+    """Seconds per decode step (batch = prompt rows), greedy, on a cache prefilled with ``prompt`` (not timed).
 
     ``kw`` is the cache keyword of the HF forward (passed through PeftModel / LoRAMoEModel)."""
-
-    def run() -> None:
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    cache, tok = _cache_of(out), out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=tok, use_cache=True, **{kw: cache})
         cache, tok = _cache_of(out), out.logits[:, -1:].argmax(-1)
-        _sync(device)
-        nonlocal elapsed
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=tok, use_cache=True, **{kw: cache})
-            cache, tok = _cache_of(out), out.logits[:, -1:].argmax(-1)
-        _sync(device)
-        elapsed = time.perf_counter() - t
-
-    elapsed = 0.0
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        run()
-        times.append(elapsed / steps)
-    return statistics.median(times)
+    _sync(device)
+    return (time.perf_counter() - t) / steps
 
 
 def main() -> None:
@@ -148,7 +128,8 @@ def main() -> None:
     device = "cpu" if args.smoke else args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     shape = TINY if args.smoke else QWEN3_1_7B
-    prefill = [tuple(map(int, s.split("x"))) for s in (args.prefill or ("2x32" if args.smoke else "1x2048,8x2048")).split(",")]
+    prefill_spec = args.prefill or ("2x32" if args.smoke else "1x2048,8x2048")
+    prefill = [tuple(map(int, s.split("x"))) for s in prefill_spec.split(",")]
     decode = [int(b) for b in (args.decode or ("1,4" if args.smoke else "1,16,64")).split(",")]
     prompt_len = args.prompt_len or (16 if args.smoke else 512)
     steps = args.steps or (8 if args.smoke else 32)
@@ -176,20 +157,29 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
 
     def measure(row: dict, fn) -> None:
-        for name, (model, spec) in variants.items():
-            if spec is not None:
-                moe.set_routing(spec)
-            try:
-                row[name] = fn(model) * 1e3
-            except Exception as e:  # noqa: BLE001 - e.g. grouped_mm unsupported here: report it, time the rest
-                row[name] = None
-                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:300]
+        """Median over repeats, variants interleaved round-robin so machine-load drift hits all alike."""
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for rep in range(args.warmup + args.repeats):
+            for name, (model, spec) in variants.items():
+                if name in row.get("errors", {}):
+                    continue
+                if spec is not None:
+                    moe.set_routing(spec)
+                try:
+                    t = fn(model)
+                except Exception as e:  # noqa: BLE001 - e.g. grouped_mm unsupported here: report it, time the rest
+                    row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+                if rep >= args.warmup:
+                    times[name].append(t)
+        for name, ts in times.items():
+            row[name] = statistics.median(ts) * 1e3 if ts else None
 
     rows = []
     for b, s in prefill:
         ids = torch.randint(0, shape["vocab_size"], (b, s), generator=g).to(device)
         row = {"phase": "prefill", "batch": b, "seq": s}
-        measure(row, lambda m: time_prefill(m, ids, device, args.warmup, args.repeats))
+        measure(row, lambda m: time_prefill(m, ids, device))
         with torch.no_grad():
             moe(input_ids=ids[:, :256])
         top = moe.gate_probs()[0].argmax(-1)
@@ -198,7 +188,7 @@ def main() -> None:
     for b in decode:
         prompt = torch.randint(0, shape["vocab_size"], (b, prompt_len), generator=g).to(device)
         row = {"phase": "decode", "batch": b, "seq": prompt_len}
-        measure(row, lambda m: time_decode(m, prompt, steps, cache_kw, device, max(1, args.warmup // 2), args.repeats))
+        measure(row, lambda m: time_decode(m, prompt, steps, cache_kw, device))
         rows.append(row)
     for row in rows:
         for name in ["backbone", *(f"moe_{i}" for i in MOE_IMPLS)]:
@@ -226,11 +216,13 @@ def main() -> None:
         ratios = [r.get(f"moe_{impl}/peft_1") for r in rows]
         if all(x is not None for x in ratios):
             worst = max(ratios)
-            print(f"moe_{impl}: worst ratio to peft_1 = {worst:.3f} (target <= 1.15: {'met' if worst <= 1.15 else 'NOT met'})")
+            verdict = "met" if worst <= 1.15 else "NOT met"
+            print(f"moe_{impl}: worst ratio to peft_1 = {worst:.3f} (target <= 1.15: {verdict})")
     for r in rows:
         for name, err in r.get("errors", {}).items():
             print(f"{r['phase']} {r['batch']}: {name} failed: {err}")
-    print("prefill expert usage (block 0, top-1 share per adapter):", {f"{r['batch']}x{r['seq']}": r["usage"] for r in rows if "usage" in r})
+    usage = {f"{r['batch']}x{r['seq']}": r["usage"] for r in rows if "usage" in r}
+    print("prefill expert usage (block 0, top-1 share per adapter):", usage)
     if args.out:
         import peft
         import transformers
@@ -241,7 +233,11 @@ def main() -> None:
                 "command": " ".join(sys.argv),
                 "device": dev_name,
                 "dtype": str(dtype),
-                "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+                "versions": {
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "peft": peft.__version__,
+                },
                 "shape": shape,
                 "adapters": args.adapters,
                 "rank": args.rank,

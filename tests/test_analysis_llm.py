@@ -175,9 +175,14 @@ def test_wrong_schema_everywhere_and_on_missing_fail(tmp_path):
     client = ScriptedClient(lambda r, i: '{"verdicts": {"tool_use": "NA"}}')
     res = LLMLabeler(client, LabelingConfig(max_attempts=2)).label_runs(TRAJS[:2], DICT, [0], 0, tmp_path / "skip")
     assert res.report["missing"] == 6 and res.report["error_kinds"] == {"schema": 4}
-    with pytest.raises(LabelingError, match="on_missing=skip"):
+    with pytest.raises(LabelingError, match="no valid label for 'tool_use' on toy/0/0 run 0 .*on_missing=skip"):
         LLMLabeler(client, LabelingConfig(max_attempts=2, on_missing="fail")).label_runs(
             TRAJS[:2], DICT, [0], 0, tmp_path / "fail"
+        )
+    # gaps cached by an earlier run of the same work dir also stop a resumed run
+    with pytest.raises(LabelingError, match="6 missing"):
+        LLMLabeler(client, LabelingConfig(max_attempts=2, on_missing="fail")).label_runs(
+            TRAJS[:2], DICT, [0], 0, tmp_path / "skip"
         )
 
 

@@ -320,3 +320,22 @@ def test_structural_tag_shapes_and_errors():
         structural_tag([], "qwen3")
     with pytest.raises(ValueError, match="tool_choice"):
         structural_tag(SCHEMA_TOOLS, "qwen3", "any")
+
+
+def test_response_format_json_schema_constrains_the_whole_output(tiny):
+    import json
+
+    model, tok = tiny
+    schema = SCHEMAS["set_mode"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "mode", "schema": schema}}
+    client = HFChatClient(model, tok)  # no tool constraints needed: response_format alone switches the grammar on
+    reqs = [
+        ChatRequest(messages=[Message(role="user", content="mode?")], temperature=1.0, seed=s, max_new_tokens=80, response_format=fmt)
+        for s in range(4)
+    ]
+    for resp in client.chat(reqs):
+        assert resp.finish_reason == "stop", resp.text
+        jsonschema.validate(json.loads(resp.text), schema)
+        assert resp.text.startswith('{"mode": ')  # canonical separators, no stray whitespace
+    with pytest.raises(ValueError, match="json_object or json_schema"):
+        client.chat([ChatRequest(messages=reqs[0].messages, response_format={"type": "yaml"})])

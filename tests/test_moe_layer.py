@@ -60,7 +60,7 @@ def test_dense_delta_is_weighted_sum_of_adapters():
     x = torch.randn(7, 6, generator=torch.Generator().manual_seed(1))
     p = torch.softmax(torch.randn(7, 3, generator=torch.Generator().manual_seed(2)), -1)
     layer.routing.set_probs(p)
-    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, p), atol=1e-5)
+    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, p), rtol=1e-5, atol=1e-5)
 
 
 def test_rank_padding_keeps_each_update():
@@ -69,10 +69,11 @@ def test_rank_padding_keeps_each_update():
     assert layer.A3.shape == (3, 5, 6) and layer.B3.shape == (3, 5, 5)
     for c, (A, B) in enumerate(factors):
         assert torch.equal(layer.B3[c] @ layer.A3[c], B @ A)  # zero padding adds nothing
-    x = torch.randn(4, 6)
-    p = torch.softmax(torch.randn(4, 3), -1)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 6, generator=g)
+    p = torch.softmax(torch.randn(4, 3, generator=g), -1)
     layer.routing.set_probs(p)
-    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, p), atol=1e-5)
+    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, p), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -88,11 +89,11 @@ def test_grouped_equals_masked_dense(k, renormalize, base_slot):
         layer.routing.spec = RoutingSpec(k, renormalize, impl)
         layer.routing.set_probs(p)
         outs[impl] = layer(x)
-    assert torch.allclose(outs["grouped"], outs["masked_dense"], atol=1e-5)
+    assert torch.allclose(outs["grouped"], outs["masked_dense"], rtol=1e-5, atol=1e-5)
     # and the masked-dense reference is the formula with the top-k weights
     w = masked_topk_probs(p, k, renormalize)[:, 1 if base_slot else 0 :]
     expl = _explicit(x, layer.base, [(layer.A3[c], layer.B3[c]) for c in range(3)], layer.scales, w)
-    assert torch.allclose(outs["masked_dense"], expl, atol=1e-5)
+    assert torch.allclose(outs["masked_dense"], expl, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k,base_slot", [(1, False), (2, True)])
@@ -108,24 +109,25 @@ def test_grouped_mm_equals_masked_dense(k, base_slot):
         layer.routing.set_probs(p)
         with torch.no_grad():
             outs[impl] = layer(x)
-    assert torch.allclose(outs["grouped_mm"], outs["masked_dense"], atol=1e-5)
+    assert torch.allclose(outs["grouped_mm"], outs["masked_dense"], rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_identity_path_when_all_tokens_pick_one_expert():
     layer, factors, scales = _bank([3, 3])
-    x = torch.randn(5, 6)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7))
     p = torch.tensor([[0.2, 0.8]] * 5)
     layer.routing.set_probs(p)
     plan = layer.routing.plan()
     assert plan.identity and plan.groups == [(1, 0, 5)]
     w = torch.tensor([[0.0, 0.8]] * 5)  # raw top-1 probability (official code), not renormalized to 1
-    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, w), atol=1e-5)
+    assert torch.allclose(layer(x), _explicit(x, layer.base, factors, scales, w), rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_top_k_training_gradients_match_masked_dense():
     layer, _, _ = _bank([3, 3, 3])
-    x = torch.randn(9, 6)
-    logits = torch.randn(9, 3)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 6, generator=g)
+    logits = torch.randn(9, 3, generator=g)
     grads = {}
     for impl in ("grouped", "masked_dense"):
         lg = logits.clone().requires_grad_(True)
@@ -134,7 +136,7 @@ def test_grouped_top_k_training_gradients_match_masked_dense():
         layer(x).square().sum().backward()
         grads[impl] = lg.grad
     assert grads["grouped"].abs().sum() > 0
-    assert torch.allclose(grads["grouped"], grads["masked_dense"], atol=1e-5)
+    assert torch.allclose(grads["grouped"], grads["masked_dense"], rtol=1e-5, atol=1e-4)  # grads are O(100)
 
 
 def test_bad_inputs_raise():
@@ -143,7 +145,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="impl"):
         RoutingSpec(1, impl="sparse")
     layer, _, _ = _bank([2, 2])
-    with pytest.raises(RuntimeError, match="pre-hook"):
+    with pytest.raises(RuntimeError, match="no routing plan"):
         layer(torch.randn(3, 6))
     layer.routing.set_probs(torch.full((4, 2), 0.5))
     with pytest.raises(RuntimeError, match="tokens"):
@@ -151,4 +153,5 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match=r"\[tokens, 2\]"):
         layer.routing.set_probs(torch.full((4, 3), 1 / 3))
     with pytest.raises(ValueError, match="do not fit"):
-        LoRAMoELinear(nn.Linear(6, 5), [(torch.zeros(2, 7), torch.zeros(5, 2))], [1.0], BlockRouting(1, False, RoutingSpec()))
+        routing = BlockRouting(1, False, RoutingSpec())
+        LoRAMoELinear(nn.Linear(6, 5), [(torch.zeros(2, 7), torch.zeros(5, 2))], [1.0], routing)

@@ -54,10 +54,12 @@ def test_fused_count_equals_peft_target_parameters():
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig(vocab_size=50, hidden_size=24, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=6, num_experts=5, num_experts_per_tok=2)  # fmt: skip
+    cfg = Qwen3MoeConfig(vocab_size=50, hidden_size=24, intermediate_size=40, moe_intermediate_size=12,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                         num_experts=5, num_experts_per_tok=2)  # fmt: skip
     model = meta_causal_lm(cfg)
-    lora = LoraConfig(r=3, target_modules=list(ATTENTION), target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    fused = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = LoraConfig(r=3, target_modules=list(ATTENTION), target_parameters=fused)
     with torch.device("meta"):
         peft_model = get_peft_model(meta_causal_lm(cfg), lora)
     trainable, _ = peft_model.get_nb_trainable_parameters()

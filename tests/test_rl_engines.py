@@ -11,11 +11,11 @@ import torch
 
 from tracekit.llm.base import ChatRequest
 from tracekit.rl.engines import (
+    ClientEngine,
     Completion,
     PolicyChat,
     VLLMEngine,
     VLLMSettings,
-    parse_hermes,
     parse_vllm_choice,
     sample_completions,
 )
@@ -40,17 +40,6 @@ def tok():
 @pytest.fixture(scope="module")
 def model(tok):
     return tiny_model(len(tok), seed=2)
-
-
-def test_parse_hermes():
-    m = parse_hermes('Sure.\n<tool_call>\n{"name": "ping", "arguments": {"host": "a"}}\n</tool_call>')
-    assert m.content == "Sure." and [(c.name, c.arguments) for c in m.tool_calls] == [("ping", {"host": "a"})]
-    two = parse_hermes('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "b"}</tool_call>')
-    assert [(c.name, c.arguments) for c in two.tool_calls] == [("a", {"x": 1}), ("b", {})]
-    assert two.content is None
-    bad = parse_hermes("<tool_call>{not json}</tool_call>")
-    assert bad.tool_calls == [] and bad.parse_error and bad.content == "<tool_call>{not json}</tool_call>"
-    assert parse_hermes("just text").content == "just text"
 
 
 def test_greedy_is_padding_invariant_and_logprobs_match_a_full_forward(model):
@@ -103,15 +92,36 @@ def test_policy_chat_reports_context_overflow(tok, model):
 
     def gen(prompts, t, p, n, seed):
         calls.append(len(prompts))
-        return [Completion([tok.convert_tokens_to_ids("<|im_end|>")], [-0.1], "stop") for _ in prompts]
+        return [Completion([end], [-0.1], "stop") for _ in prompts]
 
-    chat = PolicyChat(tok, gen, max_prompt_tokens=20)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    chat = PolicyChat(tok, gen, [end], max_prompt_tokens=20)
     short = [Message(role="user", content="hi")]
     long = [Message(role="user", content="ping alpha " * 50)]
     r = chat.chat([ChatRequest(messages=long, return_tokens=True), ChatRequest(messages=short, return_tokens=True)])
     assert r[0].finish_reason == "error" and r[0].completion_token_ids is None
     assert r[1].finish_reason == "stop" and r[1].text == "" and calls == [1]
     assert r[1].prompt_token_ids == chat.prompt_ids(short, None)
+
+
+def test_client_engine_with_the_agents_hf_chat_client(tok):
+    """The llm package's HFChatClient plugs in as a rollout engine; its tokens re-score exactly."""
+    from tracekit.llm.hf import HFChatClient
+    from tracekit.rl.episodes import EpisodeSpec, run_episodes
+    from tracekit.rl.tokens import Turn, collate, rows_for_trajectory
+    from tracekit.rl.toy import KeywordSuite
+    from tracekit.rl.trainer import LoraSettings, build_peft_model, sequence_logprobs
+
+    model = build_peft_model(tiny_model(len(tok), seed=4), LoraSettings(rank=4, alpha=8), seed=0)
+    eng = ClientEngine(HFChatClient(model, tok, chat_format="qwen3", max_batch_size=8))
+    suite = KeywordSuite(turns=2)
+    specs = [EpisodeSpec(suite.tasks()[0], 5, k, 0) for k in range(3)]
+    trajs = run_episodes(eng.client, suite, specs, temperature=1.0, max_new_tokens=10, sample_seed=1)
+    rows = [r for t in trajs for r in rows_for_trajectory([Turn.from_dict(d) for d in t.info["turns"]], 0.0, 0)]
+    b = collate(rows, tok.pad_token_id)
+    with torch.no_grad():
+        lp = sequence_logprobs(model, b.input_ids, b.attention_mask, b.loss_mask)
+    assert torch.allclose(lp, b.rollout_logprobs[:, 1:][b.loss_mask[:, 1:] > 0], atol=1e-4)
 
 
 def test_parse_vllm_choice():
@@ -200,10 +210,12 @@ def test_vllm_engine_real_server(tmp_path):
     base.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     peft_model = build_peft_model(tiny_model(len(tok), seed=0), LoraSettings(rank=8, alpha=16), seed=0)
-    eng = VLLMEngine(VLLMSettings(model_path=str(tmp_path / "base"), max_lora_rank=8, dtype="float32", max_model_len=2048), tok, tmp_path / "v")
+    settings = VLLMSettings(model_path=str(tmp_path / "base"), max_lora_rank=8, dtype="float32", max_model_len=2048)
+    eng = VLLMEngine(settings, tok, tmp_path / "v")
     try:
         eng.sync(0, lambda p: peft_model.save_pretrained(str(p)))
-        r = eng.client.chat([ChatRequest(messages=[Message(role="user", content="Please ping alpha.")], temperature=0.0, max_new_tokens=8, return_tokens=True)])
+        msgs = [Message(role="user", content="Please ping alpha.")]
+        r = eng.client.chat([ChatRequest(messages=msgs, temperature=0.0, max_new_tokens=8, return_tokens=True)])
         ids = r[0].prompt_token_ids + r[0].completion_token_ids
         with torch.no_grad():
             lp = torch.log_softmax(peft_model(input_ids=torch.tensor([ids])).logits.float(), -1)[0]

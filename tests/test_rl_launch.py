@@ -11,6 +11,15 @@ from tracekit.rl.launch import Factory, LauncherSettings, TrainSpec, deepspeed_c
 from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # tiny models are latency-bound: extra threads only add contention on small CI machines
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _spec(out, **kw) -> TrainSpec:
     s = dict(
         iterations=1, groups=4, group_size=8, max_new_tokens=16, max_turns=2, lr=1e-2, num_minibatches=1,
@@ -59,7 +68,7 @@ def test_spec_roundtrip_and_factory_errors(tmp_path):
 
 def test_local_launcher_trains_in_process(tmp_path):
     seen = []
-    adapter = train(_spec(tmp_path, group_size=4, max_new_tokens=8), LauncherSettings(kind="local"), callbacks=[seen.append])
+    adapter = train(_spec(tmp_path, groups=2, group_size=4, max_new_tokens=8), LauncherSettings(kind="local"), callbacks=[seen.append])
     assert (adapter / "adapter_model.safetensors").exists()
     assert [m["iteration"] for m in seen] == [0]
     assert glob.glob(str(tmp_path / "rollouts" / "iter_00000.jsonl"))

@@ -14,6 +14,15 @@ from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
 from tracekit.rl.trainer import build_peft_model, sequence_logprobs, LoraSettings
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # tiny models are latency-bound: extra threads only add contention on small CI machines
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
@@ -89,7 +98,7 @@ def _canonical_policy(tok) -> PolicyChat:
             out.append(Completion(ids, [-0.5] * len(ids), "stop"))
         return out
 
-    return PolicyChat(tok, generate)
+    return PolicyChat(tok, generate, [end])
 
 
 def test_rows_equal_the_chat_template_of_the_final_conversation(tok):
@@ -158,3 +167,22 @@ def test_trainer_logprobs_on_rows_equal_rollout_logprobs(tok):
     want = b.rollout_logprobs[:, 1:][b.loss_mask[:, 1:] > 0]
     assert lp.shape == want.shape and lp.numel() == sum(sum(r.loss_mask) for r in rows)
     assert torch.allclose(lp, want, atol=1e-4)
+
+
+def test_a_failing_environment_ends_only_its_episode(tok):
+    class Flaky(KeywordSuite):
+        def episode(self, task, seed=0):
+            ep = super().episode(task, seed)
+            if task.id == "ping-1":
+                def boom(action):
+                    raise RuntimeError("db exploded")
+
+                ep.step = boom
+            return ep
+
+    suite = Flaky(turns=2)
+    specs = [EpisodeSpec(suite.tasks()[i], 0, 0, i) for i in range(2)]
+    ok, bad = run_episodes(_canonical_policy(tok), suite, specs, temperature=1.0)
+    assert ok.termination == "max_turns" and ok.error is None and len(ok.info["turns"]) == 2
+    assert bad.termination == "env_error" and "db exploded" in bad.error and bad.reward == 0.0
+    assert len(bad.info["turns"]) == 1  # the turn it generated is kept

@@ -163,3 +163,23 @@ def test_endpoint_refusal_is_a_clean_failure(tmp_path):
         client = OpenAIChatClient(base_url=srv.url, model="stub-model", max_retries=0)
         result = generate_environment(client, spec(), tmp_path, FAST)
     assert result.status == "failed" and "prompt is longer than the context" in result.reason
+
+
+@pytest.mark.slow
+def test_offline_generation_with_the_bundled_model_ends_cleanly(tmp_path):
+    """The bundled 135M model will rarely write a valid module; whatever it writes, the run ends in a
+    written result (accepted, or failed with a reason) and never raises."""
+    pytest.importorskip("gguf")
+    from tracekit.llm.backbones import load_backbone
+    from tracekit.llm.hf import HFChatClient
+
+    model, tokenizer = load_backbone("smollm2_135m")
+    client = HFChatClient(model, tokenizer, chat_format="smollm2", max_context_tokens=8192)
+    cfg = AgentConfig(max_repair_rounds=1, max_new_tokens=256, temperature=0.0,
+                      limits=SandboxLimits(wall_seconds=30, memory_bytes=1 << 30))
+    result = generate_environment(client, spec(), tmp_path, cfg)
+    assert json.loads((tmp_path / "generation.json").read_text())["status"] == result.status
+    if result.status == "failed":
+        assert result.reason and (tmp_path / "transcript.jsonl").exists()
+    else:
+        assert (tmp_path / "env.py").exists()

@@ -143,3 +143,11 @@ def test_tool_errors_inside_the_sandbox_reach_the_agent():
         assert verdict.reward == 0.0 and not verdict.success
     finally:
         backend.close()
+
+
+def test_ground_truth_using_a_hidden_tool_is_named():
+    src = replaced('solution.append(Call(name="set_wifi_status", arguments={"on": True}))',
+                   'solution.append(Call(name="set_cellular_service_status", arguments={"on": True}))')
+    report = validate_source(src, "hidden-tool", ValidationConfig(n_seeds=10), LIMITS)
+    assert report.reason == ("solvable: seed 0: the ground truth calls tools the environment does not expose: "
+                             "['set_cellular_service_status']")

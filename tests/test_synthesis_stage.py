@@ -13,7 +13,7 @@ from tracekit.synthesis.protocol import ground_truth_actions
 from tracekit.synthesis.sandbox import SandboxLimits
 from tracekit.synthesis.stage import SynthesisSettings, open_package, synthesize, trajectory_excerpt
 from tracekit.synthesis.validate import ValidationConfig
-from tracekit.types import Capability, Message, ToolCall, Trajectory
+from tracekit.types import Message, ToolCall, Trajectory
 
 VALID = (Path(__file__).parent / "data" / "synthesis" / "valid_env.py").read_text()
 LIMITS = SandboxLimits(wall_seconds=20, memory_bytes=1 << 30)

@@ -51,6 +51,7 @@ def test_scripted_replies():
     assert scripted_reply(AIRLINE, "Can I have your user id?", 1, 10) == "My user id is emma_kim_9957."
     assert scripted_reply(AIRLINE, "Which reservation is it?", 1, 10) == "The reservation id is EHGLP3."
     assert scripted_reply(AIRLINE, "Do you want me to proceed with the cancellation?", 2, 10) == "Yes."
+    assert scripted_reply(AIRLINE, "Shall I cancel reservation EHGLP3? Please confirm (yes/no).", 2, 10) == "Yes."
     assert scripted_reply(AIRLINE, "Anything else I can look up?", 2, 10).startswith("I want to cancel")
     assert scripted_reply(AIRLINE, "Your reservation has been cancelled.", 2, 10) == "###STOP###"
     assert scripted_reply(AIRLINE, "Can I have your user id?", 10, 10) == "###STOP###"  # turn limit

@@ -297,15 +297,8 @@ class LLMLabeler:
                     done[(rec.trajectory, rec.run, tuple(rec.capabilities))] = rec
                     attempts_hist[p.attempts] += 1
                 bar.update(len(chunk))
-                gaps = [(p.traj.uid, p.run, c) for p in chunk for c in p.remaining]
-                if gaps and cfg.on_missing == "fail":
-                    uid, run, cap = gaps[0]
-                    last = next(p.errors[-1] for p in chunk if p.remaining)
-                    raise LabelingError(
-                        f"labeling: no valid label for {cap!r} on {uid} run {run} after {cfg.max_attempts} "
-                        f"attempts ({len(gaps)} missing in this chunk; last error: {last}); "
-                        f"set analysis.labeling.on_missing=skip to record it as missing"
-                    )
+                if cfg.on_missing == "fail":  # stop at the first chunk with a gap (its rows are cached)
+                    _raise_if_missing([lab for p in chunk for lab in done[(p.traj.uid, p.run, tuple(p.caps))].labels])
 
         labels = [
             lab
@@ -314,6 +307,8 @@ class LLMLabeler:
             for g in groups
             for lab in done[(t.uid, r, tuple(c.name for c in g))].labels
         ]
+        if cfg.on_missing == "fail":  # gaps recorded by an earlier, interrupted run of this work dir
+            _raise_if_missing(labels)
         report = labeling_report(labels, dictionary)
         report.update(
             labeler=self.name,
@@ -396,6 +391,16 @@ class LLMLabeler:
             value=None,
             rationale=f"missing after {p.attempts} attempts: {last}"[:300],
             success=p.traj.success,
+        )
+
+
+def _raise_if_missing(labels: list[Label]) -> None:
+    gaps = [lab for lab in labels if lab.value is None]
+    if gaps:
+        g = gaps[0]
+        raise LabelingError(
+            f"labeling: no valid label for {g.capability!r} on {g.trajectory} run {g.run} ({len(gaps)} missing; "
+            f"{g.rationale}); set on_missing=skip to record unobtainable labels as missing"
         )
 
 

@@ -47,7 +47,6 @@ import importlib
 import json
 import logging
 import random
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -121,7 +120,7 @@ def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str,
         writes = frozenset(n for n in tools if env.tools.tool_type(n).value == "write")
         for task in mod.get_tasks(None):
             crit = task.evaluation_criteria
-            acts = [a for a in (crit.actions or []) if crit and a.requestor == "assistant"] if crit else []
+            acts = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
             out[(domain, str(task.id))] = GoldSpec(
                 domain=domain,
                 task_id=str(task.id),

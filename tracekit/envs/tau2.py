@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -164,7 +165,10 @@ def _spec(domain: str) -> _DomainSpec:
 def base_db(domain: str) -> Any:
     """The domain's DB, parsed once per process (never mutated: environments get views of it)."""
     spec = _spec(domain)
-    return spec.db_class.load(spec.db_path)
+    t0 = time.perf_counter()
+    db = spec.db_class.load(spec.db_path)
+    log.info("tau2 %s DB parsed once for this process (%.2fs)", domain, time.perf_counter() - t0)
+    return db
 
 
 def pristine_db_hash(domain: str) -> str:

@@ -152,6 +152,8 @@ _ORDER_ID = re.compile(r"#W\d{7}")
 # tau2 airline reservation ids: 6 upper-case letters/digits (flight numbers HAT123 excluded).
 _RESERVATION_ID = re.compile(r"\b(?!HAT\d{3}\b)(?=[A-Z0-9]*[A-Z])(?=[A-Z0-9]*\d|[A-Z]{6}\b)[A-Z0-9]{6}\b")
 _ASKS_ORDER = re.compile(r"\border(?:s)?\s*(?:id|number|#)|\bwhich order", re.I)
+_ASKS_RESERVATION = re.compile(r"\b(?:reservation|booking|confirmation)\s*(?:id|number|code)|\bwhich (?:reservation|booking)", re.I)
+_ASKS_NAME = re.compile(r"\b(?:your|full|first|last) name\b|\bzip", re.I)
 _NOT_NAMES = {"You", "Your", "I", "The", "If", "Big", "New"}
 # "you" as an object (told you, to you...) becomes "me"; elsewhere the second person becomes first.
 _PERSON = [
@@ -240,14 +242,14 @@ def scripted_reply(scenario: UserScenario, agent_text: str, turns: int, max_turn
         parts.append(f"My user id is {facts.user_id}." if facts.user_id else "I don't know my user id.")
     if "email" in t:
         parts.append(f"My email is {facts.email}." if facts.email else "I don't remember my email address.")
-    if "zip" in t or "name" in t:
+    if _ASKS_NAME.search(agent_text):
         if facts.name:
             parts.append(f"My name is {facts.name}.")
         if facts.zip:
             parts.append(f"My zip code is {facts.zip}.")
     if _ASKS_ORDER.search(agent_text) and facts.order_ids:
         parts.append("The order id is " + ", ".join(facts.order_ids) + ".")
-    if ("reservation" in t or "confirmation" in t) and facts.reservation_ids:
+    if _ASKS_RESERVATION.search(agent_text) and facts.reservation_ids:
         parts.append("The reservation id is " + ", ".join(facts.reservation_ids) + ".")
     if parts:
         return " ".join(parts)

@@ -10,6 +10,10 @@ written exactly as the backbone's chat template writes calls:
 
 ``tool_choice="auto"``: free text, and once ``<tool_call>`` appears the call must complete validly;
 ``"required"``: the output must be exactly one call.
+
+The same machinery serves a request's ``response_format`` (OpenAI shapes ``{"type": "json_object"}``
+and ``{"type": "json_schema", "json_schema": {"schema": ...}}``): the whole output is then JSON
+(valid for the schema), written with ``", "`` / ``": "`` separators and no other whitespace.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def structural_tag(
 
 
 class ToolCallGrammar:
-    """Compiles tool-call grammars for one tokenizer (cached per tool set) and masks logits with them."""
+    """Compiles tool-call / JSON grammars for one tokenizer (cached per tool set or format) and masks logits."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_whitespace: int | None = 1):
         xgr = _xgrammar()
@@ -90,6 +94,25 @@ class ToolCallGrammar:
         key = stable_hash(tag)
         if key not in self._compiled:
             self._compiled[key] = self._compiler.compile_structural_tag(tag)
+        return self._xgr.GrammarMatcher(self._compiled[key])
+
+    def json_matcher(self, response_format: dict[str, Any]) -> Any:
+        """A fresh matcher forcing the output to be JSON (``json_object``) or JSON valid for a schema."""
+        kind = response_format.get("type")
+        key = stable_hash(response_format)
+        if key not in self._compiled:
+            if kind == "json_object":
+                self._compiled[key] = self._compiler.compile_builtin_json_grammar()
+            elif kind == "json_schema":
+                spec = response_format.get("json_schema") or {}
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
+                self._compiled[key] = self._compiler.compile_json_schema(
+                    schema, any_whitespace=False, separators=(", ", ": ")
+                )
+            else:
+                raise ValueError(f"response_format type must be json_object or json_schema, got {kind!r}")
         return self._xgr.GrammarMatcher(self._compiled[key])
 
     def mask_(self, matcher: Any, logits: np.ndarray) -> None:

@@ -112,6 +112,8 @@ class HFChatClient(ChatClient):
     ``max_context_tokens``: prompt + completion cap (finish_reason ``length``). ``torch_threads``:
     torch's intra-op threads while generating (restored after; 1 is fastest for tiny models and on
     oversubscribed CPUs). ``max_whitespace``: whitespace run allowed inside constrained JSON.
+    A request's ``response_format`` (``json_object`` / ``json_schema``) constrains its whole output
+    to JSON with the same grammar machinery (needs xgrammar); tools are then not parsed.
     """
 
     name = "hf"
@@ -153,9 +155,8 @@ class HFChatClient(ChatClient):
         base = _base_model(model)
         self._vocab = int(base.config.get_text_config().vocab_size)
         self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-        self._grammar = (
-            ToolCallGrammar(tokenizer, self._vocab, self.stop_ids, max_whitespace) if constrained_tool_calls else None
-        )
+        self.max_whitespace = max_whitespace
+        self._grammar: ToolCallGrammar | None = None
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -171,8 +172,10 @@ class HFChatClient(ChatClient):
             seed = req.seed if req.seed is not None else self.seed + next(self._counter)
             prompt = encode_prompt(self.tokenizer, req.messages, req.tools)
             matcher = None
-            if self._grammar is not None and req.tools:
-                matcher = self._grammar.matcher(req.tools, self.chat_format, self.tool_choice)
+            if req.response_format:
+                matcher = self._grammars().json_matcher(req.response_format)
+            elif self.constrained_tool_calls and req.tools:
+                matcher = self._grammars().matcher(req.tools, self.chat_format, self.tool_choice)
             rows.append(_Row(i, req, prompt, seed, matcher))
         ordered = sorted(rows, key=lambda r: len(r.prompt))
         was_training, threads = self.model.training, torch.get_num_threads()
@@ -187,6 +190,11 @@ class HFChatClient(ChatClient):
             self.model.train(was_training)
             torch.set_num_threads(threads)
         return [self._response(r) for r in rows]
+
+    def _grammars(self) -> ToolCallGrammar:
+        if self._grammar is None:
+            self._grammar = ToolCallGrammar(self.tokenizer, self._vocab, self.stop_ids, self.max_whitespace)
+        return self._grammar
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -235,7 +243,7 @@ class HFChatClient(ChatClient):
         if r.finish is not None:
             return
         if r.matcher is not None:
-            self._grammar.mask_(r.matcher, row)
+            self._grammars().mask_(r.matcher, row)
             if np.isneginf(row).all():  # the grammar allows no token: nothing valid can follow
                 r.finish = "stop"
                 return
@@ -259,7 +267,7 @@ class HFChatClient(ChatClient):
     def _response(self, r: _Row) -> ChatResponse:
         body = r.tokens[:-1] if r.tokens and r.tokens[-1] in self.stop_ids else r.tokens
         text = self.tokenizer.decode(body, skip_special_tokens=False)
-        if r.req.tools:
+        if r.req.tools and not r.req.response_format:
             message = parse_assistant_text(text, self.chat_format, turn=len(r.req.messages), tools=r.req.tools)
         else:
             message = Message(role="assistant", content=text.strip() or None)

@@ -43,7 +43,8 @@ class GateExample:
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
-            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+            n, m = len(self.input_ids), len(self.loss_mask)
+            raise ValueError(f"input_ids ({n}) and loss_mask ({m}) differ in length")
 
 
 def as_examples(items: Iterable[GateExample | TokenRecord | Mapping[str, Any]]) -> list[GateExample]:
@@ -64,9 +65,32 @@ def as_examples(items: Iterable[GateExample | TokenRecord | Mapping[str, Any]]) 
     return out
 
 
+def mix_uniformly(
+    groups: Mapping[str, Sequence[GateExample]], seed: int, per_group: int | None = None
+) -> list[GateExample]:
+    """Equal numbers of examples from each group (e.g. each capability's successful trajectories), shuffled.
+
+    ``per_group`` defaults to the smallest group's size; larger groups are subsampled without
+    replacement (seeded), so no capability dominates the gate's training data.
+    """
+    if not groups or any(len(g) == 0 for g in groups.values()):
+        raise ValueError(f"every group needs examples, sizes: { {k: len(v) for k, v in groups.items()} }")
+    n = per_group if per_group is not None else min(len(g) for g in groups.values())
+    if n > min(len(g) for g in groups.values()):
+        raise ValueError(f"per_group={n} exceeds the smallest group ({min(len(g) for g in groups.values())})")
+    rng = random.Random(seed)
+    out = [ex for name in sorted(groups) for ex in rng.sample(list(groups[name]), n)]
+    rng.shuffle(out)
+    return out
+
+
 @dataclass
 class GateTrainConfig:
-    """Gate training hyperparameters (lambda_lb from the paper; lr as the official router SFT)."""
+    """Gate training hyperparameters (lambda_lb from the paper; lr as the official router SFT).
+
+    gradient_checkpointing: recompute decoder layers in backward (HF checkpoints only modules in
+    train mode, so the backbone is put in train mode: refused if it has any dropout > 0).
+    """
 
     lambda_lb: float = 0.05
     lr: float = 5e-4
@@ -77,6 +101,7 @@ class GateTrainConfig:
     ce_chunk: int = 1024
     pad_id: int = 0
     seed: int = 0
+    gradient_checkpointing: bool = False
 
 
 # --------------------------------------------------------------------------- pure losses
@@ -141,7 +166,7 @@ def routing_loss(model: LoRAMoEModel, attention_mask: torch.Tensor) -> tuple[tor
     for b, probs in model.gate_probs().items():
         loss, f, P = load_balancing_loss(probs, mask.to(probs.device))
         losses.append(loss)
-        stats[f"lb/L{b}"] = float(loss)
+        stats[f"lb/L{b}"] = loss.item()
         for name, fc, pc in zip(model.slot_names, f.tolist(), P.tolist()):
             stats[f"usage/L{b}/{name}"] = fc
             stats[f"prob/L{b}/{name}"] = pc
@@ -178,12 +203,19 @@ def train_gates(
     model.assert_frozen()
     params = list(model.trainable_parameters().values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model.model.eval()  # no dropout in the frozen backbone
+    lm = model.model
+    if cfg.gradient_checkpointing:
+        dropouts = [n for n, m in lm.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        if dropouts or getattr(lm.config, "attention_dropout", 0.0):
+            raise ValueError(f"gradient checkpointing needs train mode; the backbone has dropout ({dropouts[:3]})")
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.train()
+    else:
+        lm.eval()  # no dropout in the frozen backbone
     rows = []
     with model.routing(model.training_spec):
-        for step, idx in enumerate(
-            tqdm(_batches(len(data), min(cfg.batch_size, len(data)), cfg.steps, cfg.seed), total=cfg.steps, desc="gate", leave=False)
-        ):
+        batches = _batches(len(data), min(cfg.batch_size, len(data)), cfg.steps, cfg.seed)
+        for step, idx in enumerate(tqdm(batches, total=cfg.steps, desc="gate", leave=False)):
             batch = collate([data[i] for i in idx], cfg.pad_id)
             ce, n = response_ce(model, batch, cfg.ce_chunk)
             lb, stats = routing_loss(model, batch["attention_mask"])
@@ -193,8 +225,15 @@ def train_gates(
             if cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
-            rows.append({"step": step, "loss": float(loss), "ce": float(ce), "lb": float(lb), "tokens": n, **stats})
-    log.info("gate training: %d steps, ce %.4f -> %.4f, lb %.4f -> %.4f", cfg.steps, rows[0]["ce"], rows[-1]["ce"], rows[0]["lb"], rows[-1]["lb"])
+            rows.append({"step": step, "loss": loss.item(), "ce": ce.item(), "lb": lb.item(), "tokens": n, **stats})
+    if cfg.gradient_checkpointing:
+        lm.gradient_checkpointing_disable()
+    lm.eval()
+    first, last = rows[0], rows[-1]
+    log.info(
+        "gate training: %d steps, ce %.4f -> %.4f, lb %.4f -> %.4f",
+        cfg.steps, first["ce"], last["ce"], first["lb"], last["lb"],
+    )  # fmt: skip
     return rows
 
 

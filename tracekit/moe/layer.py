@@ -60,7 +60,7 @@ class RoutingSpec:
         if self.impl not in ("grouped", "grouped_mm", "masked_dense"):
             raise ValueError(f"impl must be 'grouped', 'grouped_mm' or 'masked_dense', got {self.impl!r}")
         if self.impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
-            raise ValueError(f"impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8), this is torch {torch.__version__}")
+            raise ValueError(f"impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8); torch is {torch.__version__}")
 
 
 # --------------------------------------------------------------------------- pure routing math
@@ -85,19 +85,25 @@ def masked_topk_probs(probs: torch.Tensor, k: int, renormalize: bool) -> torch.T
 class _Plan:
     """Per-block routing computation shared by the block's projections.
 
-    ``scaled(layer)`` caches, per distinct (scales, rank, dtype) of the projections, the gate weights
-    already multiplied by each pair's adapter scale and cast to the activation dtype, so each
-    projection adds only its own matmuls.
+    ``precompute(layer, dtype)`` stores, per distinct (scales, rank) of the block's projections, the
+    gate weights multiplied by each pair's adapter scale and cast to the activation dtype, so each
+    projection adds only its own matmuls. It runs in the gate's pre-hook, before the block's forward,
+    so that a checkpointed block recomputes exactly the ops it ran the first time.
     """
 
     def __init__(self) -> None:
         self._cache: dict[tuple, torch.Tensor] = {}
 
+    @staticmethod
+    def key(layer: LoRAMoELinear, dtype: torch.dtype) -> tuple:
+        return (tuple(layer.scales), layer.rank, dtype)
+
+    def precompute(self, layer: LoRAMoELinear, dtype: torch.dtype) -> None:
+        self._cache[self.key(layer, dtype)] = self._scale(layer.scale, layer.rank).to(dtype)
+
     def scaled(self, layer: LoRAMoELinear, dtype: torch.dtype) -> torch.Tensor:
-        key = (tuple(layer.scales), layer.rank, dtype)
-        if key not in self._cache:
-            self._cache[key] = self._scale(layer.scale, layer.rank).to(dtype)
-        return self._cache[key]
+        hit = self._cache.get(self.key(layer, dtype))
+        return hit if hit is not None else self._scale(layer.scale, layer.rank).to(dtype)
 
 
 class _DensePlan(_Plan):
@@ -168,8 +174,8 @@ def make_plan(probs: torch.Tensor, spec: RoutingSpec, n_adapters: int, base_slot
 class BlockRouting:
     """Routing state shared by one block's gate (writer) and its adapted projections (readers).
 
-    ``probs`` [T, S] (float32) are the gate probabilities of the block's latest forward; the plan
-    is built lazily by the first projection that needs it.
+    ``probs`` [T, S] (float32) are the gate probabilities of the block's latest forward; ``set_probs``
+    builds the block's plan at once (in the gate's pre-hook, outside any checkpointed block forward).
     """
 
     def __init__(self, n_adapters: int, base_slot: bool, spec: RoutingSpec):
@@ -178,22 +184,32 @@ class BlockRouting:
         self.spec = spec
         self.probs: torch.Tensor | None = None
         self._plan: _Plan | None = None
+        self._layers: dict[tuple, LoRAMoELinear] = {}  # one projection per distinct (scales, rank)
+
+    def register(self, layer: LoRAMoELinear) -> None:
+        self._layers.setdefault((tuple(layer.scales), layer.rank), layer)
 
     @property
     def n_slots(self) -> int:
         return self.n_adapters + (1 if self.base_slot else 0)
 
-    def set_probs(self, probs: torch.Tensor) -> None:
+    def set_probs(self, probs: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Store the block's gate probabilities and build its plan (weights pre-cast to ``dtype``)."""
         if probs.dim() != 2 or probs.shape[1] != self.n_slots:
             raise ValueError(f"gate probs must be [tokens, {self.n_slots}], got {tuple(probs.shape)}")
         self.probs = probs
+        self._plan = make_plan(probs, self.spec, self.n_adapters, self.base_slot)
+        for layer in self._layers.values():
+            self._plan.precompute(layer, dtype or layer.base.weight.dtype)
+
+    def set_spec(self, spec: RoutingSpec) -> None:
+        """Route with ``spec`` from the next forward on."""
+        self.spec = spec
         self._plan = None
 
     def plan(self) -> _Plan:
-        if self.probs is None:
-            raise RuntimeError("no gate probabilities: the block's gate pre-hook did not run before this projection")
         if self._plan is None:
-            self._plan = make_plan(self.probs, self.spec, self.n_adapters, self.base_slot)
+            raise RuntimeError("no routing plan: the block's gate pre-hook has not run since the routing was set")
         return self._plan
 
 
@@ -248,6 +264,7 @@ class LoRAMoELinear(nn.Module):
         self.n_adapters = C
         # A plain attribute (not a submodule): the gate owns the state, projections only read it.
         self.routing = routing
+        routing.register(self)
 
     @property
     def in_features(self) -> int:
@@ -289,11 +306,14 @@ class LoRAMoELinear(nn.Module):
         if plan.identity:
             a = plan.groups[0][0]
             return torch.addcmul(out, F.linear(F.linear(x, self.A[a * r : a * r + r]), self.B[:, a * r : a * r + r]), w)
-        for a, start, n in plan.groups:
-            tok = plan.tokens[start : start + n]
-            z = F.linear(x.index_select(0, tok), self.A[a * r : a * r + r]) * w[start : start + n]
-            out.index_add_(0, tok, F.linear(z, self.B[:, a * r : a * r + r]))
-        return out
+        # one gather of the sorted pairs' inputs, then each expert on its contiguous slice, one scatter back
+        off = plan.groups[0][1]
+        xs = x.index_select(0, plan.tokens[off:])
+        ys = [
+            F.linear(F.linear(xs[s - off : s - off + n], self.A[a * r : a * r + r]) * w[s : s + n], self.B[:, a * r : a * r + r])
+            for a, s, n in plan.groups
+        ]
+        return out.index_add_(0, plan.tokens[off:], torch.cat(ys) if len(ys) > 1 else ys[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)

@@ -226,7 +226,7 @@ class LoRAMoEModel(nn.Module):
 
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             h = args[0] if args else kwargs["hidden_states"]
-            routing.set_probs(gate.probs(h).reshape(-1, routing.n_slots))
+            routing.set_probs(gate.probs(h).reshape(-1, routing.n_slots), h.dtype)
 
         return hook
 
@@ -246,8 +246,7 @@ class LoRAMoEModel(nn.Module):
 
     def set_routing(self, spec: RoutingSpec) -> None:
         for r in self.routings.values():
-            r.spec = spec
-            r._plan = None
+            r.set_spec(spec)
 
     @contextlib.contextmanager
     def routing(self, spec: RoutingSpec) -> Iterator[None]:
@@ -317,7 +316,11 @@ class LoRAMoEModel(nn.Module):
                         raise FileNotFoundError(f"adapter {name}: {src / f} no longer exists; cannot copy it")
                     shutil.copyfile(src / f, tmp / rel / f)
                 entries.append({"name": name, "dir": rel, "source": str(src)})
-            gates = {f"{b}.{k}": v.detach().float().cpu().contiguous() for b, g in self.gates.items() for k, v in g.state_dict().items()}
+            gates = {
+                f"{b}.{k}": v.detach().float().cpu().contiguous()
+                for b, g in self.gates.items()
+                for k, v in g.state_dict().items()
+            }
             save_file(gates, str(tmp / "gates.safetensors"))
             atomic_write_json(
                 tmp / "moe_config.json",

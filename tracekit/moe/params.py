@@ -94,7 +94,7 @@ def lora_param_count(model: nn.Module, rank: int, targets: Sequence[str], expert
             E, H, I = fused
             if expert_layout == "fused":
                 if len(targets & {"gate_proj", "up_proj"}) == 1:
-                    raise ValueError("with fused experts gate_proj and up_proj are one parameter: target both or neither")
+                    raise ValueError("fused experts: gate_proj and up_proj are one parameter, target both or neither")
                 if "gate_proj" in targets:
                     total += E * rank * (H + 2 * I)
                 if "down_proj" in targets:

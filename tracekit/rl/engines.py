@@ -8,6 +8,8 @@ engine generates, and the trainer sees exactly the ids the engine consumed and p
 - ``hf``: :class:`HFEngine` samples from the live (peft) model in-process: KV-cached batched decode
   with per-row stopping, log-probs of the sampled tokens taken from the same logits that were
   sampled (no second forward pass), seeded ``torch.Generator`` (same seed on CPU -> same tokens).
+- :class:`ClientEngine` wraps any token-returning chat client on the live model (e.g. the llm
+  package's ``HFChatClient`` with constrained tool calls, to train with the agent's own decoding).
 - ``vllm``: :class:`VLLMEngine` manages a ``vllm serve --enable-lora`` subprocess; each iteration
   the adapter is saved and loaded at runtime through ``/v1/load_lora_adapter`` (adapter-only sync),
   and completions are requested with prompt token ids and ``return_tokens_as_token_ids``. vllm and
@@ -16,10 +18,8 @@ engine generates, and the trainer sees exactly the ids the engine consumed and p
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -33,7 +33,9 @@ from typing import Any
 import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
-from tracekit.types import Message, ToolCall, stable_hash
+from tracekit.llm.hf import stop_token_ids
+from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
+from tracekit.types import Message, stable_hash
 
 log = logging.getLogger(__name__)
 
@@ -45,39 +47,6 @@ class Completion:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str  # stop | length
-
-
-# --------------------------------------------------------------------------------------------
-# Parsing completions into messages (Hermes/Qwen3 tool-call format)
-
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_hermes(text: str) -> Message:
-    """Assistant message from raw text with ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks.
-
-    A block that is not valid JSON of that shape sets ``parse_error`` and keeps the raw text as
-    content (the environment then sees no call, never a crash).
-    """
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    for i, m in enumerate(_TOOL_CALL_RE.finditer(text)):
-        try:
-            obj = json.loads(m.group(1).strip())
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                raise ValueError("expected an object with a string 'name'")
-            args = obj.get("arguments", {})
-            if isinstance(args, str):
-                args = json.loads(args)
-            if not isinstance(args, dict):
-                raise ValueError("'arguments' must be an object")
-            calls.append(ToolCall(id=f"call_{i}", name=obj["name"], arguments=args))
-        except (ValueError, TypeError) as e:
-            errors.append(f"tool call {i}: {e}")
-    if errors:
-        return Message(role="assistant", content=text, parse_error="; ".join(errors))
-    content = _TOOL_CALL_RE.sub("", text).strip() if calls else text
-    return Message(role="assistant", content=content or None, tool_calls=calls)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,9 +161,11 @@ Generate = Callable[[list[list[int]], float, float, int, int], list[Completion]]
 class PolicyChat(ChatClient):
     """A :class:`ChatClient` over a token-level generator, returning exact prompt/completion ids.
 
-    ``generate(prompts, temperature, top_p, max_new_tokens, seed)`` does the sampling. A request
-    whose prompt exceeds ``max_prompt_tokens`` gets ``finish_reason='error'`` (the episode runner
-    ends that episode as out of context) instead of being truncated silently.
+    ``generate(prompts, temperature, top_p, max_new_tokens, seed)`` does the sampling; prompts are
+    rendered and replies parsed with ``tracekit.llm.tools`` in ``chat_format`` (the same code the
+    evaluated agent uses). A request whose prompt exceeds ``max_prompt_tokens`` gets
+    ``finish_reason='error'`` (the episode runner ends that episode as out of context) instead of
+    being truncated silently.
     """
 
     name = "policy"
@@ -203,24 +174,22 @@ class PolicyChat(ChatClient):
         self,
         tokenizer: Any,
         generate: Generate,
+        stop_ids: Sequence[int],
         *,
+        chat_format: str = "qwen3",
         max_prompt_tokens: int = 32000,
-        parse: Callable[[str], Message] = parse_hermes,
         batch_size: int = 64,
     ):
         self.tokenizer = tokenizer
         self.generate = generate
+        self.stop_ids = sorted(set(stop_ids))
+        self.chat_format = check_chat_format(chat_format)
         self.max_prompt_tokens = max_prompt_tokens
-        self.parse = parse
         self.batch_size = batch_size
-        self.stop_ids = sorted(stop_token_ids(tokenizer))
 
     def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         """The chat template's generation prompt for ``messages`` as token ids (what the model receives)."""
-        text = self.tokenizer.apply_chat_template(
-            [m.to_chat() for m in messages], tools=tools or None, add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_prompt(self.tokenizer, messages, tools)
 
     def count_tokens(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> int:
         return len(self.prompt_ids(messages, tools))
@@ -249,32 +218,26 @@ class PolicyChat(ChatClient):
                 seed = int(stable_hash([requests[i].seed for i in chunk], 15), 16)
                 comps = self.generate([prompts[i] for i in chunk], temp, top_p, max_new, seed)
                 for i, c in zip(chunk, comps):
-                    out[i] = self._response(prompts[i], c, requests[i].return_tokens)
+                    out[i] = self._response(requests[i], prompts[i], c)
         return [o for o in out if o is not None]
 
-    def _response(self, prompt: list[int], c: Completion, return_tokens: bool) -> ChatResponse:
+    def _response(self, req: ChatRequest, prompt: list[int], c: Completion) -> ChatResponse:
         body = c.ids[:-1] if c.ids and c.ids[-1] in self.stop_ids else c.ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
+        if req.tools:
+            message = parse_assistant_text(text, self.chat_format, turn=len(req.messages), tools=req.tools)
+        else:
+            message = Message(role="assistant", content=text.strip() or None)
+        want = req.return_tokens
         return ChatResponse(
-            message=self.parse(text),
+            message=message,
             text=text,
             finish_reason=c.finish_reason,
-            prompt_token_ids=prompt if return_tokens else None,
-            completion_token_ids=c.ids if return_tokens else None,
-            completion_logprobs=c.logprobs if return_tokens else None,
+            prompt_token_ids=prompt if want else None,
+            completion_token_ids=c.ids if want else None,
+            completion_logprobs=c.logprobs if want else None,
             usage={"prompt_tokens": len(prompt), "completion_tokens": len(c.ids)},
         )
-
-
-def stop_token_ids(tokenizer: Any) -> set[int]:
-    """End-of-turn ids: the tokenizer's eos plus ChatML's ``<|im_end|>`` where the vocabulary has it."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
-        ids.add(im_end)
-    if not ids:
-        raise ValueError("tokenizer has no eos token: cannot tell when a turn ends")
-    return ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,14 +245,25 @@ def stop_token_ids(tokenizer: Any) -> set[int]:
 
 
 class HFEngine:
-    """Rollouts from the model being trained, in-process (CPU or GPU)."""
+    """Rollouts from the model being trained, in-process (CPU or GPU), sampled on the device."""
 
     kind = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_prompt_tokens: int = 32000, batch_size: int = 64):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        chat_format: str = "qwen3",
+        max_prompt_tokens: int = 32000,
+        batch_size: int = 64,
+    ):
         self.model = model
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.client = PolicyChat(tokenizer, self._generate, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size)
+        stops = stop_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+        self.client = PolicyChat(
+            tokenizer, self._generate, stops, chat_format=chat_format, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size
+        )
         self._pad = int(pad)
 
     def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
@@ -314,6 +288,26 @@ class HFEngine:
 
     def close(self) -> None:
         pass
+
+
+class ClientEngine:
+    """Any in-process :class:`ChatClient` on the live model that honours ``return_tokens``.
+
+    E.g. ``tracekit.llm.hf.HFChatClient(trainer_model, tok, chat_format=..., constrained_tool_calls=True)``
+    to roll out with exactly the evaluated agent's decoding. Log-probs a constrained client reports
+    are those of the masked distribution: use ``old_logprobs='recompute'`` with it.
+    """
+
+    kind = "client"
+
+    def __init__(self, client: ChatClient):
+        self.client = client
+
+    def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
+        """Nothing to do: the client wraps the live weights."""
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _free_port() -> int:
@@ -343,7 +337,9 @@ class VLLMEngine:
 
     kind = "vllm"
 
-    def __init__(self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, max_prompt_tokens: int = 32000):
+    def __init__(
+        self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, chat_format: str = "qwen3", max_prompt_tokens: int = 32000
+    ):
         import httpx
 
         self.s = settings
@@ -356,7 +352,14 @@ class VLLMEngine:
         else:
             self.base_url = self._launch()
         self.http = httpx.Client(base_url=self.base_url, timeout=settings.request_timeout_s)
-        self.client = PolicyChat(tokenizer, self._generate, max_prompt_tokens=max_prompt_tokens, batch_size=settings.concurrency)
+        self.client = PolicyChat(
+            tokenizer,
+            self._generate,
+            stop_token_ids(None, tokenizer),
+            chat_format=chat_format,
+            max_prompt_tokens=max_prompt_tokens,
+            batch_size=settings.concurrency,
+        )
 
     def _launch(self) -> str:
         if shutil.which("vllm") is None:

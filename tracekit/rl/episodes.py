@@ -43,20 +43,29 @@ def run_episodes(
     """Run every spec to its end (env done, ``max_turns`` assistant turns, or context exhausted).
 
     ``sample_seed`` and the spec identify each request's sampling seed, so a rerun with the same
-    arguments reproduces the same rollouts on CPU. An exception raised by an environment ends only
-    that episode (``termination='env_error'``, reward 0, ``error`` set).
+    arguments reproduces the same rollouts on CPU. Environments are reset and stepped through
+    ``suite.reset_batch`` / ``step_batch`` (which batch simulated-user calls); an exception raised
+    by an environment ends only that episode (``termination='env_error'``, reward 0, ``error`` set).
     """
-    eps, msgs, tools, turns, term, errors = [], [], [], [], [], []
-    for sp in specs:
-        ep = suite.episode(sp.task, seed=sp.seed)
-        obs = ep.reset()
-        eps.append(ep)
-        msgs.append(list(obs.messages))
-        tools.append(obs.tools)
-        turns.append([])
-        term.append("")
-        errors.append(None)
-    active = list(range(len(specs)))
+    n = len(specs)
+    eps = [suite.episode(sp.task, seed=sp.seed) for sp in specs]
+    msgs: list[list[Message]] = [[] for _ in range(n)]
+    tools: list[list[dict]] = [[] for _ in range(n)]
+    turns: list[list[dict]] = [[] for _ in range(n)]
+    term = [""] * n
+    errors: list[str | None] = [None] * n
+
+    def fail(i: int, where: str, e: Exception) -> None:
+        log.warning("episode %s/%s raised in %s: %s", specs[i].task.id, specs[i].sample, where, e)
+        term[i], errors[i] = "env_error", f"{type(e).__name__}: {e}"
+
+    active = []
+    for i, obs in enumerate(suite.reset_batch(eps)):  # batched: a simulated user may open the dialogue
+        if isinstance(obs, Exception):
+            fail(i, "reset", obs)
+        else:
+            msgs[i], tools[i] = list(obs.messages), obs.tools
+            active.append(i)
     step = 0
     while active:
         reqs = [
@@ -71,9 +80,8 @@ def run_episodes(
             )
             for i in active
         ]
-        resps = client.chat(reqs)
-        still = []
-        for i, resp in zip(active, resps):
+        stepping = []
+        for i, resp in zip(active, client.chat(reqs)):
             if resp.finish_reason == "error":
                 term[i] = "context_limit"
                 continue
@@ -88,11 +96,12 @@ def run_episodes(
                 }
             )
             msgs[i].append(resp.message)
-            try:
-                res = eps[i].step(resp.message)
-            except Exception as e:  # a buggy environment must not take the whole batch down
-                log.warning("episode %s/%s raised in step: %s", specs[i].task.id, specs[i].sample, e)
-                term[i], errors[i] = "env_error", f"{type(e).__name__}: {e}"
+            stepping.append(i)
+        results = suite.step_batch([eps[i] for i in stepping], [msgs[i][-1] for i in stepping]) if stepping else []
+        active = []
+        for i, res in zip(stepping, results):
+            if isinstance(res, Exception):  # a buggy environment must not take the whole batch down
+                fail(i, "step", res)
                 continue
             msgs[i].extend(res.messages)
             if res.done:
@@ -100,15 +109,17 @@ def run_episodes(
             elif len(turns[i]) >= max_turns:
                 term[i] = "max_turns"
             else:
-                still.append(i)
-        active = still
+                active.append(i)
         step += 1
     out = []
     for i, sp in enumerate(specs):
         reward, success, oinfo = 0.0, False, {}
         if errors[i] is None:
-            o = eps[i].outcome()
-            reward, success, oinfo = float(o.reward), bool(o.success), dict(o.info)
+            try:
+                o = eps[i].outcome()
+                reward, success, oinfo = float(o.reward), bool(o.success), dict(o.info)
+            except Exception as e:  # a failing verifier scores 0 and is recorded, like a failing step
+                fail(i, "outcome", e)
         out.append(
             Trajectory(
                 task_id=sp.task.id,

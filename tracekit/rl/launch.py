@@ -83,6 +83,7 @@ class TrainSpec:
     env: Factory  # -> EnvSuite
     out_dir: str
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    chat_format: str = "qwen3"  # the backbone's tool-call syntax (backbone.chat_format)
     engine: dict[str, Any] = field(default_factory=lambda: {"kind": "hf"})  # or {"kind": "vllm", **VLLMSettings}
 
     def to_json(self) -> dict[str, Any]:
@@ -95,6 +96,7 @@ class TrainSpec:
             env=Factory(**d["env"]),
             out_dir=d["out_dir"],
             grpo=GRPOSettings(**d["grpo"]),
+            chat_format=d.get("chat_format", "qwen3"),
             engine=dict(d.get("engine") or {"kind": "hf"}),
         )
 
@@ -166,17 +168,24 @@ class DeepSpeedBackend:
             raise RuntimeError(f"DeepSpeed checkpoint under {d / 'deepspeed'} could not be loaded")
 
 
-def _make_engine(spec: TrainSpec, dist: Dist, tokenizer: Any):
+def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, Any], Any] | None:
+    """The rollout engine the spec asks for (None: the trainer's default hf engine)."""
     kind = spec.engine.get("kind", "hf")
     if kind == "hf":
-        return None  # the trainer's default: HFEngine on the live model
+        return None
     if kind == "vllm":
         if dist.active:
             raise NotImplementedError("grpo.engine=vllm under a multi-process launcher is not built: use launcher=local with vllm")
         from tracekit.rl.engines import VLLMEngine, VLLMSettings
 
-        opts = {k: v for k, v in spec.engine.items() if k != "kind"}
-        return VLLMEngine(VLLMSettings(**opts), tokenizer, Path(spec.out_dir) / "vllm", max_prompt_tokens=spec.grpo.max_prompt_tokens)
+        s = VLLMSettings(**{k: v for k, v in spec.engine.items() if k != "kind"})
+        if s.max_lora_rank < spec.grpo.lora.rank:
+            raise ValueError(f"vllm max_lora_rank={s.max_lora_rank} is below grpo.lora.rank={spec.grpo.lora.rank}")
+        if spec.grpo.temperature != 1.0 and spec.grpo.old_logprobs == "rollout":
+            # vLLM reports log-probs of the untempered logits by default; rho would be biased
+            raise ValueError("grpo.engine=vllm with temperature != 1 needs grpo.old_logprobs=recompute")
+        work = Path(spec.out_dir) / "vllm"
+        return lambda model, tok: VLLMEngine(s, tok, work, chat_format=spec.chat_format, max_prompt_tokens=spec.grpo.max_prompt_tokens)
     raise ValueError(f"grpo.engine={kind!r} is invalid: must be hf or vllm")
 
 
@@ -190,18 +199,17 @@ def run_training(
 ) -> Path:
     """Build model, tokenizer and env from the spec's factories and train in this process."""
     dist = dist or Dist()
+    factory = _engine_factory(spec, dist)
     model, tokenizer = spec.model.build()
     suite = spec.env.build()
-    engine = _make_engine(spec, dist, tokenizer)
+    trainer = GRPOTrainer(
+        model, tokenizer, suite, spec.grpo, spec.out_dir, chat_format=spec.chat_format, engine_factory=factory,
+        backend_factory=backend_factory, dist=dist, callbacks=callbacks, device=device,
+    )  # fmt: skip
     try:
-        trainer = GRPOTrainer(
-            model, tokenizer, suite, spec.grpo, spec.out_dir, engine=engine, backend_factory=backend_factory,
-            dist=dist, callbacks=callbacks, device=device,
-        )  # fmt: skip
         return trainer.train()
     finally:
-        if engine is not None:
-            engine.close()
+        trainer.engine.close()
 
 
 def _free_port() -> int:

@@ -43,8 +43,8 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,11 @@ class GRPOSettings:
             (self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high", "> 0 or null"),
             (self.kl_beta >= 0, "kl_beta", ">= 0"),
             (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
-            (self.tis_cap is None or (self.tis_cap >= 1 and self.old_logprobs == "recompute"), "tis_cap", ">= 1 with old_logprobs=recompute, or null"),
+            (
+                self.tis_cap is None or (self.tis_cap >= 1 and self.old_logprobs == "recompute"),
+                "tis_cap",
+                ">= 1 with old_logprobs=recompute, or null",
+            ),
             (self.num_minibatches >= 1 and self.epochs >= 1, "num_minibatches/epochs", ">= 1"),
             (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
             (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
@@ -210,23 +214,21 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return m.get_base_model() if hasattr(m, "get_base_model") else m
 
 
-def lm_head_weight(lm: torch.nn.Module):
-    """A context giving the lm_head weight, gathered if ZeRO-3 partitioned it (read-only)."""
+@contextmanager
+def lm_head_weight(lm: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The lm_head weight; under ZeRO-3 a gathered, frozen copy (the backward pass of the chunked
+    log-prob recomputes logits after the parameter went back to its partition)."""
     w = lm.get_output_embeddings().weight
-    if hasattr(w, "ds_id"):
-        import deepspeed
+    if not hasattr(w, "ds_id"):
+        yield w
+        return
+    if w.requires_grad:
+        raise NotImplementedError("a trainable lm_head under ZeRO-3 is not supported (LoRA keeps it frozen)")
+    import deepspeed
 
-        class _Gathered:
-            def __enter__(self):
-                self.ctx = deepspeed.zero.GatheredParameters([w], modifier_rank=None)
-                self.ctx.__enter__()
-                return w
-
-            def __exit__(self, *exc):
-                return self.ctx.__exit__(*exc)
-
-        return _Gathered()
-    return nullcontext(w)
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=None):
+        full = w.detach().clone()
+    yield full
 
 
 def sequence_logprobs(
@@ -310,8 +312,10 @@ class GRPOTrainer:
     """GRPO for one LoRA adapter on ``suite`` (see the module docstring for the recipe).
 
     ``model`` is the plain backbone (frozen here) and ``tokenizer`` its tokenizer with a chat
-    template. ``engine`` defaults to the in-process hf engine on the live model; ``backend``
-    (optimizer) defaults to :class:`LocalBackend`; ``tracekit.rl.launch`` passes a DeepSpeed one.
+    template; ``chat_format`` is the backbone's tool-call syntax (``tracekit.llm.tools``).
+    ``engine_factory(peft_model, tokenizer)`` builds the rollout engine (default: the in-process
+    hf engine on the live model); ``backend_factory`` the optimizer side (default
+    :class:`LocalBackend`; ``tracekit.rl.launch`` passes a DeepSpeed one).
     ``callbacks`` get each iteration's metrics dict (rank 0); one that raises stops training after
     that iteration's checkpoint logic ran.
     """
@@ -324,7 +328,8 @@ class GRPOTrainer:
         settings: GRPOSettings,
         out_dir: str | Path,
         *,
-        engine: Any = None,
+        chat_format: str = "qwen3",
+        engine_factory: Callable[[torch.nn.Module, Any], Any] | None = None,
         backend_factory: Callable[[torch.nn.Module, GRPOSettings], Any] | None = None,
         dist: Dist | None = None,
         callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
@@ -337,17 +342,22 @@ class GRPOTrainer:
         self.dist = dist or Dist()
         self.callbacks = list(callbacks)
         self.device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
+        auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
         model = model.to(device=self.device, dtype=dtype)
         self.model = build_peft_model(model, settings.lora, settings.seed)
         if settings.gradient_checkpointing:
             causal_lm(self.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.backend = (backend_factory or LocalBackend)(self.model, settings)
-        if engine is None:
+        if engine_factory is None:
             from tracekit.rl.engines import HFEngine
 
-            engine = HFEngine(self.model, tokenizer, max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.rollout_batch_size)
-        self.engine = engine
+            def engine_factory(m, t):
+                return HFEngine(
+                    m, t, chat_format=chat_format, max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.rollout_batch_size
+                )
+
+        self.engine = engine_factory(self.model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.start_iteration = 0
         self.rows_csv: list[dict[str, Any]] = []
@@ -372,7 +382,8 @@ class GRPOTrainer:
         from tqdm import tqdm
 
         its = range(self.start_iteration, self.s.iterations)
-        for it in tqdm(its, desc=f"grpo {self.suite.name}", disable=self.dist.rank != 0, initial=self.start_iteration, total=self.s.iterations):
+        bar = tqdm(its, desc=f"grpo {self.suite.name}", disable=self.dist.rank != 0, initial=self.start_iteration, total=self.s.iterations)
+        for it in bar:
             metrics = self.iteration(it)
             if self.dist.rank == 0:
                 self.rows_csv.append(metrics)
@@ -527,7 +538,7 @@ class GRPOTrainer:
                     continue
                 self._minibatch_step(mb_rows, int(b_global), extra, acc)
         self.model.eval()
-        tot = self.dist.sum([acc["loss"], acc["policy"], acc["kl"], acc["clip"], acc["ratio"], acc["akl"], acc["tok"], acc["fwd"], acc["rows"]])
+        tot = self.dist.sum([acc[k] for k in ("loss", "policy", "kl", "clip", "ratio", "akl", "tok", "fwd", "rows")])
         steps = len(acc["grad"])
         ntok = max(tot[6], 1.0)
         return {

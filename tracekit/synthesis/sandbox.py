@@ -117,6 +117,7 @@ class SandboxWorker:
             cmd = ["unshare", "-n", "--", *cmd]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                      cwd=self.workdir, env=_scrubbed_env(self.workdir), start_new_session=True)
+        log.debug("sandbox worker pid %d in %s", self.proc.pid, self.workdir)
         self._buf = b""
         self._dead: str | None = None
         self._lock = threading.Lock()
@@ -158,6 +159,7 @@ class SandboxWorker:
             except SandboxError as e:
                 self._dead = str(e)
                 self._kill()
+                log.info("sandbox worker %d stopped: %s", self.proc.pid, e)
                 raise
 
     def _request(self, op: str, payload: dict[str, Any]) -> Any:

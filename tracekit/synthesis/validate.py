@@ -185,7 +185,10 @@ def _check_interface(report: ValidationReport, info: EnvInfo, reference: dict[st
         except ValueError as e:
             return report.add("interface", False, str(e))
     for tool in info.tools:
-        name = (tool.get("function") or {}).get("name")
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name is None:
+            return report.add("interface", False, f"a tool is not in OpenAI function format: {str(tool)[:120]}")
         if name not in reference:
             return report.add("interface", False, f"tool {name!r} is not a tool of target {info.target}")
         diff = schema_mismatch(tool, reference[name])
@@ -235,6 +238,8 @@ def run_validation(make_backend: Callable[[], EnvBackend], source: str, cfg: Val
             backend.close()
         report.passed = bool(report.checks) and all(c.passed for c in report.checks)
         report.seconds = round(time.time() - t0, 3)
+        log.info("validation of %s (%s): %s in %.1fs", report.env, source,
+                 "passed" if report.passed else f"FAILED, {report.reason}", report.seconds)
     return report
 
 
@@ -281,6 +286,13 @@ def _scoring(report: ValidationReport, backend: EnvBackend, info: EnvInfo, insta
             report.add(check, False, str(e))
             return None
 
+    exposed = {t["function"]["name"] for t in info.tools}
+    for inst in instances:
+        hidden = sorted({c.name for c in inst.solution} - exposed)
+        if hidden:
+            report.add("solvable", False, f"seed {inst.seed}: the ground truth calls tools the environment does not "
+                                          f"expose: {hidden}")
+            return
     gt = score("solvable", [(inst, ground_truth_actions(inst)) for inst in instances])
     if gt is None:
         return
