@@ -339,3 +339,45 @@ def test_response_format_json_schema_constrains_the_whole_output(tiny):
         assert resp.text.startswith('{"mode": ')  # canonical separators, no stray whitespace
     with pytest.raises(ValueError, match="json_object or json_schema"):
         client.chat([ChatRequest(messages=reqs[0].messages, response_format={"type": "yaml"})])
+
+
+_SHRINK = {
+    "vocab_size": 49152,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("qwen3_30b_a3b", {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        (
+            "qwen3_6_27b",  # hybrid Gated-DeltaNet cache: rows cannot be pruned, the loop keeps them
+            {
+                "num_hidden_layers": 4,
+                "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+            },
+        ),
+    ],
+)
+def test_paper_architectures_shrunk_generate_batch_invariantly(tiny, name, extra):
+    from tracekit.llm.backbones import build_model_from_arch, get_spec
+
+    _, tok = tiny
+    spec = get_spec({"name": name, "dtype": "float32", "arch": {**_SHRINK, **extra}})
+    model = build_model_from_arch(spec, device="cpu", seed=0)
+    reqs = _requests()[:4]
+    one = HFChatClient(model, tok, max_batch_size=1).chat(reqs)
+    many = HFChatClient(model, tok, max_batch_size=4).chat(reqs)
+    assert [r.completion_token_ids for r in one] == [r.completion_token_ids for r in many]
+    np.testing.assert_allclose(one[1].completion_logprobs, many[1].completion_logprobs, atol=1e-5)

@@ -16,6 +16,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 STAGES = ("rollout", "discover", "label", "select", "synthesize", "train", "compose", "evaluate")
 
 
+METHODS = ("base", "single_capability", "trace")
+
+
 class ConfigError(ValueError):
     """An invalid configuration value (message: one line naming the key and the valid range)."""
 
@@ -29,12 +32,14 @@ class BenchmarkConfig:
     task_ids: list[str] | None = None  # explicit subset (ids as the benchmark names them)
     limit: int | None = None  # first-n tasks per domain after split/subset
     policy: str = "full"  # full: tau2's own policy text
+    max_errors: int = 10  # tau2: end the episode after this many error tool results
+    agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
 
 
 @dataclass
 class BackboneConfig:
     name: str = MISSING
-    source: str = MISSING  # tiny | gguf | hub
+    source: str = MISSING  # random (seeded init from arch) | gguf (bundled SmolLM2) | hub
     hf_id: str | None = None
     chat_format: str = "qwen3"  # qwen3 | smollm2
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -46,6 +51,7 @@ class BackboneConfig:
 class AgentConfig:
     kind: str = "llm"  # llm | gold
     max_new_tokens: int = 256
+    top_p: float = 1.0
     constrained_tool_calls: bool = False
     batch_size: int = 8
 
@@ -54,7 +60,9 @@ class AgentConfig:
 class UserConfig:
     kind: str = "scripted"  # scripted | llm
     endpoint: str = "user"  # key into llm.endpoints for kind=llm
-    max_turns: int = 10
+    max_turns: int | None = 10  # the user ends the conversation after this many replies (None: never)
+    temperature: float = 0.0  # tau2's default for the LLM user
+    max_new_tokens: int = 512
 
 
 @dataclass
@@ -168,6 +176,7 @@ class LlmConfig:
 @dataclass
 class EvalConfig:
     mode: str = "greedy"  # greedy (T=0, seed 42) | stochastic (T=0.7, 3 seeds, mean +- 95% CI)
+    methods: list[str] = field(default_factory=lambda: ["base"])  # rows of the results table
     temperature: float = 0.0
     seeds: list[int] = field(default_factory=lambda: [42])
     max_steps: int = 50
@@ -244,7 +253,7 @@ def validate(cfg: DictConfig) -> None:
     for stage in cfg.stages:
         _check(stage in STAGES, "stages", stage, "a list of " + ", ".join(STAGES))
     _choice(cfg, "benchmark.split", ("train", "test", "base"))
-    _choice(cfg, "backbone.source", ("tiny", "gguf", "hub"))
+    _choice(cfg, "backbone.source", ("random", "gguf", "hub"))
     _choice(cfg, "agent.kind", ("llm", "gold"))
     _choice(cfg, "user.kind", ("scripted", "llm"))
     _choice(cfg, "analysis.discovery", ("reference", "llm", "pinned"))
@@ -252,7 +261,7 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "analysis.on_missing", ("skip", "fail"))
     if cfg.analysis.discovery == "pinned":
         _check(bool(cfg.analysis.dictionary_path), "analysis.dictionary_path", None, "a file when discovery=pinned")
-    _check(0.0 <= cfg.analysis.label_noise <= 1.0, "analysis.label_noise", cfg.analysis.label_noise, "in [0, 1]")
+    _check(0.0 <= cfg.analysis.label_noise <= 0.5, "analysis.label_noise", cfg.analysis.label_noise, "in [0, 0.5]")
     _choice(cfg, "synthesis.source", ("library", "generate"))
     g = cfg.grpo
     for key in ("groups", "group_size", "iterations", "max_steps", "max_new_tokens", "microbatch_tokens"):
@@ -272,6 +281,8 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "eval.mode", ("greedy", "stochastic"))
     _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
+    for m in cfg.eval.methods:
+        _check(m in METHODS, "eval.methods", m, "a list of " + ", ".join(METHODS))
     _check(cfg.eval.max_steps >= 1, "eval.max_steps", cfg.eval.max_steps, ">= 1")
     _check(cfg.eval.context_budget >= 256, "eval.context_budget", cfg.eval.context_budget, ">= 256 tokens")
     _choice(cfg, "launcher.kind", ("local", "deepspeed_zero2", "deepspeed_zero3"))

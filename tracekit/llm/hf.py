@@ -86,6 +86,16 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.sum(np.exp(x - m))))
 
 
+def _can_prune(cache: Any) -> bool:
+    """Whether every layer of the KV cache can drop batch rows (hybrid linear-attention caches cannot)."""
+    layers = getattr(cache, "layers", None)
+    return (
+        hasattr(cache, "batch_select_indices")
+        and bool(layers)
+        and all(hasattr(layer, "batch_select_indices") for layer in layers)
+    )
+
+
 class _Row:
     """Generation state of one request."""
 
@@ -226,7 +236,7 @@ class HFChatClient(ChatClient):
             keep = [j for j, r in enumerate(active) if r.finish is None]
             if not keep:
                 return
-            if len(keep) < len(active) and hasattr(cache, "batch_select_indices"):
+            if len(keep) < len(active) and _can_prune(cache):
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 mask, last_pos = mask[index], last_pos[index]

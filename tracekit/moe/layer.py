@@ -306,13 +306,16 @@ class LoRAMoELinear(nn.Module):
         if plan.identity:
             a = plan.groups[0][0]
             return torch.addcmul(out, F.linear(F.linear(x, self.A[a * r : a * r + r]), self.B[:, a * r : a * r + r]), w)
-        # one gather of the sorted pairs' inputs, then each expert on its contiguous slice, one scatter back
+        if not plan.groups:  # every token chose the base slot
+            return out
+        # one gather of the sorted pairs' inputs (base-slot pairs sort first and are skipped), each expert
+        # on its contiguous slice, one scatter back
         off = plan.groups[0][1]
         xs = x.index_select(0, plan.tokens[off:])
-        ys = [
-            F.linear(F.linear(xs[s - off : s - off + n], self.A[a * r : a * r + r]) * w[s : s + n], self.B[:, a * r : a * r + r])
-            for a, s, n in plan.groups
-        ]
+        ys = []
+        for a, s, n in plan.groups:
+            z = F.linear(xs[s - off : s - off + n], self.A[a * r : a * r + r]) * w[s : s + n]
+            ys.append(F.linear(z, self.B[:, a * r : a * r + r]))
         return out.index_add_(0, plan.tokens[off:], torch.cat(ys) if len(ys) > 1 else ys[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
