@@ -45,7 +45,7 @@ from tracekit.rl import grpo  # noqa: E402
 from tracekit.rl.engines import sample_completions  # noqa: E402
 from tracekit.rl.tokens import collate, pack_microbatches, rows_for_trajectory, Turn  # noqa: E402
 from tracekit.rl.toy import KeywordSuite, tiny_tokenizer  # noqa: E402
-from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings, causal_lm  # noqa: E402
+from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings, causal_lm, set_activation_checkpointing  # noqa: E402
 from tracekit.types import Trajectory  # noqa: E402
 
 ARCHS = {
@@ -252,10 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         variants = [("chunked", ck) for ck in modes] + ([("plain", ck) for ck in modes] if args.plain else [])
         lm = causal_lm(tr.model)
         for kind, ck in variants:
-            if ck:
-                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                lm.gradient_checkpointing_disable()
+            set_activation_checkpointing(lm, ck)
             warm = synthetic_batch(1, min(args.update_len, 256), min(gen, 128), cfg.vocab_size, seed=2)
             fill_rollout_logprobs(tr, warm)
             tr.update_on(warm, 0)

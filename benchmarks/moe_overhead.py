@@ -1,15 +1,17 @@
 """Forward-time overhead of the LoRA-MoE composition (issue 7).
 
 Compares, on one random-init backbone (Qwen3-1.7B shape by default, bf16 on GPU):
-  backbone     the plain model
-  peft_1       the backbone with one unmerged peft LoRA adapter (PeftModel)
+  backbone          the plain model
+  peft_1            the backbone with one unmerged peft LoRA adapter (PeftModel with peft's defaults:
+                    autocast_adapter_dtype keeps the LoRA factors in fp32 on a bf16 backbone)
   moe_grouped       the composed model: 4 adapters, per-block gates, top-1, tokens grouped by expert
                     (the library default; host reads group sizes once per block)
   moe_grouped_mm    the same grouping with torch._grouped_mm and device-side offsets (no host sync)
   moe_masked_dense  every expert computed, non-chosen weights zeroed (reference)
 for prefill (one forward over batch x seq tokens, last-position logits only, as generate's prefill)
 and decode (per-step time of single-token forwards on a KV cache). Adapters: rank --rank on all
-seven projections, random factors, written in peft's save_pretrained format. Gates are random
+seven projections, random factors, written in peft's save_pretrained format; the MoE bank is
+held in the backbone dtype. Variants are timed round-robin within each repeat. Gates are random
 (--gate-std) so tokens really spread over the experts; the measured expert usage is printed.
 
 Target (issue 7): moe <= 1.15 x peft_1.

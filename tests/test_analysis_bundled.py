@@ -24,30 +24,30 @@ def test_labeling_with_bundled_model_offline(tmp_path):
 
     from tracekit.analysis.compact import CompactConfig
     from tracekit.analysis.labeling import CACHE_FILE, LabelingConfig, LLMLabeler
-    from tracekit.analysis.reference import reference_dictionary
+    from tracekit.analysis.reference import ReferenceLabeler, agreement, reference_dictionary
     from tracekit.analysis.replay import gold_calls, replay_trajectory
     from tracekit.llm import make_client
 
     logger.disable("tau2")
-    trajs = [
-        replay_trajectory("retail", "11"),
-        replay_trajectory("retail", "11", gold_calls("retail", "11")[:-1], sample=1),
-    ]
-    client = make_client({"kind": "hf", "backbone": "smollm2_135m", "max_batch_size": 4})
+    trajs = [replay_trajectory("retail", "11", gold_calls("retail", "11")[:-1])]  # last write dropped
+    client = make_client({"kind": "hf", "backbone": "smollm2_135m", "max_batch_size": 4, "torch_threads": 1})
     calls = []
     chat = client.chat
     client.chat = lambda reqs: (calls.append(len(reqs)), chat(reqs))[1]  # count model calls
-    cfg = LabelingConfig(max_attempts=2, max_new_tokens=160, compact=CompactConfig(max_chars=1500))
+    # the reply schema goes to the hf client's grammar: output is schema-valid JSON if it ends in time
+    cfg = LabelingConfig(max_attempts=2, max_new_tokens=400, compact=CompactConfig(max_chars=1500))
     d = reference_dictionary()
     res = LLMLabeler(client, cfg).label_runs(trajs, d, [0, 1], 0, tmp_path)
 
-    assert len(res.labels) == 2 * 4 * 2 and sum(calls) >= 4
+    assert len(res.labels) == 4 * 2 and sum(calls) >= 2
     valid = [x for x in res.labels if x.value is not None]
     assert res.report["missing"] == len(res.labels) - len(valid)
     assert sum(res.report["values"].values()) == len(res.labels)
     assert all(x.rationale.startswith("missing after") for x in res.labels if x.value is None)
-    assert len((tmp_path / CACHE_FILE).read_text().splitlines()) == 4
+    assert len((tmp_path / CACHE_FILE).read_text().splitlines()) == 2
+    ref = ReferenceLabeler().label_runs(trajs, d, [0, 1], 0, tmp_path).labels
     print("bundled model labels:", res.report["values"], "errors:", res.report["error_kinds"])
+    print("agreement with the reference labeler:", agreement(res.labels, ref))
 
     calls.clear()
     again = LLMLabeler(client, cfg).label_runs(trajs, d, [0, 1], 0, tmp_path)

@@ -152,6 +152,9 @@ def test_malformed_replies_are_retried_with_the_error(tmp_path):
     assert retry[1].role == "assistant" and "no JSON object" in retry[2].content
     assert "unknown capability 'speed'" in client.requests[2].messages[-1].content
     assert asked(client.requests[2]) == ["data_reading", "finishing"]  # only what is still missing
+    schema = client.requests[2].response_format["json_schema"]["schema"]["properties"]["labels"]
+    assert schema["items"]["properties"]["capability"]["enum"] == ["data_reading", "finishing"]
+    assert schema["minItems"] == schema["maxItems"] == 2
 
 
 def test_unobtainable_labels_are_missing_and_counted(tmp_path):

@@ -20,6 +20,7 @@ from tracekit.analysis.reference import (  # noqa: E402
     reference_dictionary,
     reference_labels,
     tau2_gold,
+    trajectory_task,
 )
 from tracekit.analysis.replay import Call, gold_calls, replay_trajectory  # noqa: E402
 from tracekit.types import Capability, Label, LabelValue  # noqa: E402
@@ -42,7 +43,7 @@ def gold():
 
 
 def values(traj, gold) -> dict[str, LabelValue]:
-    spec = gold[(traj.info["domain"], traj.task_id)]
+    spec = gold[trajectory_task(traj)]
     return {c: v for c, (v, _) in reference_labels(traj, spec).items()}
 
 
@@ -137,7 +138,7 @@ def test_labeler_runs_noise_and_missing_gold(gold, tmp_path):
     assert 0 < len(flipped) < len(a)
     assert all(base[(x.trajectory, x.capability)] != N for x in flipped)  # NA never flipped
 
-    odd = trajs[0].model_copy(update={"task_id": "9999"})
+    odd = trajs[0].model_copy(update={"task_id": "retail/9999", "info": {"domain": "retail"}})
     res2 = ReferenceLabeler(gold).label_runs([odd], d, [0], 0, tmp_path)
     assert res2.report["missing"] == 4 and res2.report["trajectories_without_gold"] == [odd.uid]
     with pytest.raises(ValueError, match="rules only for"):
@@ -174,3 +175,14 @@ def test_all_tasks_gold_vs_dropped_write(gold):
         if w:
             dropped = replay_trajectory(domain, task, [c for i, c in enumerate(calls) if i != w[-1]])
             assert values(dropped, gold)[MSC] == L, (domain, task)
+
+
+def test_trajectory_task_naming():
+    from tracekit.types import Trajectory
+
+    assert trajectory_task(Trajectory(task_id="retail/5", env="tau2_retail")) == ("retail", "5")
+    assert trajectory_task(Trajectory(task_id="7", env="tau2_airline")) == ("airline", "7")
+    t = Trajectory(task_id="x", env="tau2", info={"domain": "airline", "tau2_task_id": "3"})
+    assert trajectory_task(t) == ("airline", "3")
+    with pytest.raises(ValueError, match="cannot tell the tau2 domain"):
+        trajectory_task(Trajectory(task_id="1", env="toolsandbox"))

@@ -381,3 +381,17 @@ def test_paper_architectures_shrunk_generate_batch_invariantly(tiny, name, extra
     many = HFChatClient(model, tok, max_batch_size=4).chat(reqs)
     assert [r.completion_token_ids for r in one] == [r.completion_token_ids for r in many]
     np.testing.assert_allclose(one[1].completion_logprobs, many[1].completion_logprobs, atol=1e-5)
+
+
+def test_context_cap_ends_rows_with_length(tiny):
+    model, tok = tiny
+    client = HFChatClient(model, tok)
+    assert client.max_context_tokens == model.config.max_position_embeddings  # default cap
+    msgs = [Message(role="user", content="hello there")]
+    n = client.count_tokens(msgs)
+    capped = HFChatClient(model, tok, max_context_tokens=n + 3)
+    full, none = capped.chat(
+        [ChatRequest(messages=msgs, max_new_tokens=50, return_tokens=True), ChatRequest(messages=msgs * 3, max_new_tokens=50)]
+    )
+    assert full.finish_reason == "length" and len(full.completion_token_ids) == 3
+    assert none.finish_reason == "length" and none.usage["completion_tokens"] == 0 and none.text == ""

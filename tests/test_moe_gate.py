@@ -192,7 +192,8 @@ def test_gradient_checkpointing_gives_the_same_training(specialists):
     runs = []
     for ckpt in (False, True):
         moe = _moe(specialists, gate_init_std=0.3, seed=1)
-        runs.append(train_gates(moe, data, GateTrainConfig(lr=0.05, steps=3, batch_size=4, gradient_checkpointing=ckpt)))
+        cfg = GateTrainConfig(lr=0.05, steps=3, batch_size=4, gradient_checkpointing=ckpt)
+        runs.append(train_gates(moe, data, cfg))
         assert not moe.model.training
         assert not any(getattr(m, "gradient_checkpointing", False) for m in moe.model.modules())
     assert [r["loss"] for r in runs[0]] == pytest.approx([r["loss"] for r in runs[1]], abs=1e-5)

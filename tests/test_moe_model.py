@@ -244,6 +244,11 @@ def test_bad_adapters_raise(qwen3, tmp_path):
         build_lora_moe(_backbone(base_dir), [adapters["cap0"], adapters["cap0"]])
     with pytest.raises(TypeError, match="model.model.layers"):
         build_lora_moe(torch.nn.Linear(2, 2), [adapters["cap0"]])
+    shallow = _backbone(base_dir)
+    del shallow.model.layers[1]  # the adapters also adapt block 1
+    with pytest.raises(TypeError, match="model.layers.1.mlp.down_proj is missing"):
+        build_lora_moe(shallow, [adapters["cap0"]])
+    assert isinstance(shallow.model.layers[0].mlp.down_proj, torch.nn.Linear)  # nothing was replaced
     with pytest.raises(ValueError, match="no backbone reference"):
         moe = build_lora_moe(_backbone(base_dir), [adapters["cap0"]])
         moe.backbone_spec = None

@@ -22,7 +22,7 @@ def _one_thread():
 
 def _spec(out, **kw) -> TrainSpec:
     s = dict(
-        iterations=1, groups=4, group_size=8, max_new_tokens=16, max_turns=2, lr=1e-2, num_minibatches=1,
+        iterations=1, groups=4, group_size=8, max_new_tokens=16, max_steps=2, lr=1e-2, num_minibatches=1,
         lora=LoraSettings(rank=8, alpha=16), save_rollouts="full", seed=0,
     )  # fmt: skip
     s.update(kw)

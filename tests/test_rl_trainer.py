@@ -71,7 +71,7 @@ class VowelSuite(EnvSuite):
 
 def _settings(**kw) -> GRPOSettings:
     base = dict(
-        iterations=3, groups=2, group_size=4, max_new_tokens=8, max_turns=2, lr=1e-2, num_minibatches=2,
+        iterations=3, groups=2, group_size=4, max_new_tokens=8, max_steps=2, lr=1e-2, num_minibatches=2,
         checkpoint_every=2, lora=LoraSettings(rank=4, alpha=8), seed=0, save_rollouts="none",
     )  # fmt: skip
     base.update(kw)
@@ -164,6 +164,15 @@ def test_dynamic_resampling_refills_to_g_informative_groups(tok, tmp_path):
     assert on["resample_rounds"] >= 1 and on["groups"] == 4 + on["groups_dropped"]
 
 
+def test_gradient_checkpointing_gives_the_same_update(tok, tmp_path):
+    plain = _trainer(tok, tmp_path / "a", iterations=1)
+    ckpt = _trainer(tok, tmp_path / "b", iterations=1, gradient_checkpointing=True)
+    ma, mb = plain.iteration(0), ckpt.iteration(0)
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5) and ma["grad_norm"] > 0
+    a, b = plain.adapter_state(), ckpt.adapter_state()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
 def test_settings_validation():
     with pytest.raises(ValueError, match="group_size"):
         GRPOSettings(group_size=1)
@@ -197,7 +206,7 @@ torch.set_num_threads(1)
 from tracekit.rl.toy import tiny_model, tiny_tokenizer, KeywordSuite
 from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
 tok = tiny_tokenizer()
-s = GRPOSettings(iterations=6, groups=4, group_size=8, max_new_tokens=16, max_turns=2, lr=1e-2, num_minibatches=2,
+s = GRPOSettings(iterations=6, groups=4, group_size=8, max_new_tokens=16, max_steps=2, lr=1e-2, num_minibatches=2,
                  checkpoint_every=2, lora=LoraSettings(rank=4, alpha=8, dropout=0.1), seed=0, save_rollouts="none")
 GRPOTrainer(tiny_model(len(tok), seed=0), tok, KeywordSuite(turns=2), s, sys.argv[1]).train()
 """
@@ -224,3 +233,26 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     a = load_file(str(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "cut" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_on_fused_moe_experts_via_target_parameters():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tracekit.rl.trainer import build_peft_model
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    moe = Qwen3MoeForCausalLM(cfg)
+    with pytest.raises(ValueError, match="target_modules"):  # transformers 5 fuses the experts: no gate_proj module
+        build_peft_model(moe, LoraSettings(rank=2, alpha=4), seed=0)
+    lora = LoraSettings(rank=2, alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    pm = build_peft_model(moe, lora, seed=0)
+    trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    attn = 2 * (32 + 32) + 2 * (32 + 16) * 2 + 2 * (32 + 32)  # q, k, v, o
+    experts = 4 * 2 * (32 + 32) + 4 * 2 * (16 + 32)  # per-expert LoRA on gate_up [4, 32, 32] and down [4, 32, 16]
+    assert trainable == attn + experts
+    with pytest.raises(ValueError, match="target_parameters"):
+        build_peft_model(Qwen3MoeForCausalLM(cfg), LoraSettings(rank=2, alpha=4, target_modules=["q_proj"], target_parameters=["nope"]), 0)

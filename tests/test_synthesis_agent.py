@@ -175,7 +175,7 @@ def test_offline_generation_with_the_bundled_model_ends_cleanly(tmp_path):
 
     model, tokenizer = load_backbone("smollm2_135m")
     client = HFChatClient(model, tokenizer, chat_format="smollm2", max_context_tokens=8192)
-    cfg = AgentConfig(max_repair_rounds=1, max_new_tokens=256, temperature=0.0,
+    cfg = AgentConfig(max_repair_rounds=0, max_new_tokens=192, temperature=0.0,
                       limits=SandboxLimits(wall_seconds=30, memory_bytes=1 << 30))
     result = generate_environment(client, spec(), tmp_path, cfg)
     assert json.loads((tmp_path / "generation.json").read_text())["status"] == result.status

@@ -13,6 +13,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from tracekit.rl.settings import GRPOSettings, LauncherSettings
+
 STAGES = ("rollout", "discover", "label", "select", "synthesize", "train", "compose", "evaluate")
 
 
@@ -108,36 +110,14 @@ class SynthesisConfig:
 
 
 @dataclass
-class LoraConfig:
-    rank: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+class GrpoConfig(GRPOSettings):
+    """The trainer's settings plus the rollout engine (hf in process | vllm server with LoRA sync)."""
 
+    engine: str = "hf"
+    vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.engines.VLLMSettings fields
 
-@dataclass
-class GrpoConfig:
-    lr: float = 1e-5
-    iterations: int = 40
-    groups: int = 8  # G seeds per iteration
-    group_size: int = 8  # K rollouts per seed
-    temperature: float = 1.0
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    adv_eps: float = 1e-6
-    kl_beta: float = 0.0
-    tis_cap: float | None = None  # truncated importance sampling (vLLM vs torch numerics); off
-    dynamic_resampling: bool = False
-    max_steps: int = 10
-    max_new_tokens: int = 256
-    grad_clip: float = 1.0
-    gradient_checkpointing: bool = True
-    microbatch_tokens: int = 4096
-    checkpoint_every: int = 5
-    engine: str = "hf"  # hf | vllm
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    def settings(self) -> GRPOSettings:
+        return GRPOSettings(**{k: getattr(self, k) for k in GRPOSettings.__dataclass_fields__})
 
 
 @dataclass
@@ -145,10 +125,17 @@ class MoeConfig:
     lambda_lb: float = 0.05
     top_k: int = 1  # inference routing
     train_top_k: int | None = None  # None: dense softmax mixture while training (the paper's formula)
-    base_slot: bool = False
-    lr: float = 1e-3
+    base_slot: bool = False  # an extra "no adapter" expert (as in the official code)
+    renormalize: bool = False  # top-k weights: raw softmax probabilities (official code) or renormalized
+    impl: str = "grouped"  # top-k compute: grouped (per-expert token slices) | grouped_mm | masked_dense
+    gate_init_std: float = 0.0  # 0: uniform routing at the start
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
     steps: int = 200
     batch_size: int = 4
+    ce_chunk: int = 1024  # vocab-projection chunk for the CE (never the full [tokens x vocab] logits)
+    gradient_checkpointing: bool = False
     trajectories_per_capability: int = 32
 
 
@@ -185,13 +172,6 @@ class EvalConfig:
 
 
 @dataclass
-class LauncherConfig:
-    kind: str = "local"  # local | deepspeed_zero2 | deepspeed_zero3
-    nproc: int = 1
-    zero_stage: int = 0
-
-
-@dataclass
 class LoggerConfig:
     kind: str = "wandb"  # wandb | none
     project: str = "tracekit"
@@ -220,7 +200,7 @@ class Config:
     consolidation: ConsolidationConfig = field(default_factory=ConsolidationConfig)
     llm: LlmConfig = field(default_factory=LlmConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    launcher: LauncherSettings = field(default_factory=LauncherSettings)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: Any = None
@@ -263,20 +243,17 @@ def validate(cfg: DictConfig) -> None:
         _check(bool(cfg.analysis.dictionary_path), "analysis.dictionary_path", None, "a file when discovery=pinned")
     _check(0.0 <= cfg.analysis.label_noise <= 0.5, "analysis.label_noise", cfg.analysis.label_noise, "in [0, 0.5]")
     _choice(cfg, "synthesis.source", ("library", "generate"))
-    g = cfg.grpo
-    for key in ("groups", "group_size", "iterations", "max_steps", "max_new_tokens", "microbatch_tokens"):
-        _check(g[key] >= 1, f"grpo.{key}", g[key], ">= 1")
-    _check(g.group_size >= 2, "grpo.group_size", g.group_size, ">= 2 (group-normalized advantages need K >= 2)")
-    _check(g.lr > 0, "grpo.lr", g.lr, "> 0")
-    _check(g.temperature > 0, "grpo.temperature", g.temperature, "> 0 (GRPO samples)")
-    _check(0 < g.clip_eps < 1, "grpo.clip_eps", g.clip_eps, "in (0, 1)")
-    _check(g.kl_beta >= 0, "grpo.kl_beta", g.kl_beta, ">= 0")
-    _check(g.lora.rank >= 1, "grpo.lora.rank", g.lora.rank, ">= 1")
-    _check(0.0 <= g.lora.dropout < 1.0, "grpo.lora.dropout", g.lora.dropout, "in [0, 1)")
+    for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings)):
+        values = OmegaConf.to_container(cfg[group], resolve=True)
+        try:  # the settings dataclasses carry their own range checks
+            schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _choice(cfg, "grpo.engine", ("hf", "vllm"))
     m = cfg.moe
     _check(m.lambda_lb >= 0, "moe.lambda_lb", m.lambda_lb, ">= 0")
     _check(m.top_k >= 1, "moe.top_k", m.top_k, ">= 1")
+    _choice(cfg, "moe.impl", ("grouped", "grouped_mm", "masked_dense"))
     _choice(cfg, "consolidation.method", ("moe", "merge_ties", "merge_core_tsv", "multi_grpo", "sft_synthetic", "on_policy_distill"))
     _choice(cfg, "eval.mode", ("greedy", "stochastic"))
     _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")
@@ -285,8 +262,6 @@ def validate(cfg: DictConfig) -> None:
         _check(m in METHODS, "eval.methods", m, "a list of " + ", ".join(METHODS))
     _check(cfg.eval.max_steps >= 1, "eval.max_steps", cfg.eval.max_steps, ">= 1")
     _check(cfg.eval.context_budget >= 256, "eval.context_budget", cfg.eval.context_budget, ">= 256 tokens")
-    _choice(cfg, "launcher.kind", ("local", "deepspeed_zero2", "deepspeed_zero3"))
-    _check(cfg.launcher.nproc >= 1, "launcher.nproc", cfg.launcher.nproc, ">= 1")
     _choice(cfg, "logger.kind", ("wandb", "none"))
     _choice(cfg, "logger.mode", ("offline", "online", "disabled"))
     for name, ep in cfg.llm.endpoints.items():

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tracekit.analysis.compact import CompactConfig, compact_many, token_counter
-from tracekit.analysis.llmjson import extract_json, load_prompt, reply_text, response_format, short_error
+from tracekit.analysis.llmjson import extract_json, load_prompt, reply_text, response_format, short_error, strict_object
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.llm.base import ChatClient, ChatRequest
 from tracekit.types import Capability, Message, Trajectory, stable_hash
@@ -28,17 +28,24 @@ from tracekit.types import Capability, Message, Trajectory, stable_hash
 log = logging.getLogger(__name__)
 
 DICTIONARY_FILE = "dictionary.json"
+NAME_PATTERN = Capability.model_json_schema()["properties"]["name"]["pattern"]
 
 
 class DiscoveryError(RuntimeError):
     """Discovery could not obtain a valid dictionary (one clear line: attempts and last error)."""
 
 
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # extra keys (examples, notes) are harmless
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str
+
+
 class DictionaryFile(BaseModel):
     """Schema of a dictionary reply / file: ``{"capabilities": [{"name", "description"}, ...]}``."""
 
     model_config = ConfigDict(extra="ignore")
-    capabilities: list[Capability]
+    capabilities: list[_Entry]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,19 @@ class DiscoveryConfig:
             raise ValueError(f"discovery.max_attempts must be >= 1, got {self.max_attempts}")
 
 
+def dictionary_schema(cfg: DiscoveryConfig) -> dict[str, Any]:
+    """The reply schema: ``min..max`` capabilities with snake_case names (for constrained decoding)."""
+    cap = strict_object(
+        {
+            "name": {"type": "string", "pattern": NAME_PATTERN, "maxLength": 60},
+            "description": {"type": "string", "maxLength": 400},
+        }
+    )
+    return strict_object(
+        {"capabilities": {"type": "array", "items": cap, "minItems": cfg.min_capabilities, "maxItems": cfg.max_capabilities}}
+    )
+
+
 def dictionary_hash(dictionary: list[Capability]) -> str:
     """Identity of a dictionary: hash of its (name, description) entries in order."""
     return stable_hash([c.model_dump() for c in dictionary])
@@ -78,7 +98,7 @@ def validate_dictionary(obj: Any, min_n: int = 1, max_n: int | None = None) -> l
     if isinstance(obj, list):
         obj = {"capabilities": obj}
     try:
-        caps = DictionaryFile.model_validate(obj).capabilities
+        caps = [Capability(name=e.name, description=e.description) for e in DictionaryFile.model_validate(obj).capabilities]
     except ValidationError as e:
         raise ValueError(f"wrong schema: {short_error(e)}") from None
     names = [c.name for c in caps]
@@ -183,7 +203,7 @@ def discover(
     prompt, shown, sha = build_discovery_prompt(trajectories, cfg, client)
     messages = [Message(role="user", content=prompt)]
     attempts: list[dict[str, Any]] = []
-    fmt = response_format(DictionaryFile, "capability_dictionary") if cfg.use_response_format else None
+    fmt = response_format(dictionary_schema(cfg), "capability_dictionary") if cfg.use_response_format else None
     caps: list[Capability] | None = None
     for attempt in range(cfg.max_attempts):
         req = ChatRequest(

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from tracekit.analysis.compact import CompactConfig, compact_trajectory, token_counter
 from tracekit.analysis.discovery import dictionary_hash
-from tracekit.analysis.llmjson import extract_json, load_prompt, reply_text, response_format, short_error
+from tracekit.analysis.llmjson import extract_json, load_prompt, reply_text, response_format, short_error, strict_object
 from tracekit.artifacts import JsonlAppender, iter_jsonl
 from tracekit.llm.base import ChatClient, ChatRequest
 from tracekit.types import Capability, Label, LabelValue, Message, Trajectory, stable_hash
@@ -174,6 +174,23 @@ def parse_label_reply(
     return accepted, errors
 
 
+def label_schema(names: Sequence[str]) -> dict[str, Any]:
+    """The reply schema for labeling ``names``: one entry each, known names and values only.
+
+    Constrained decoders (vLLM, OpenAI structured outputs, the hf client's grammar) then cannot
+    produce an unknown capability or label; the count is fixed but not the order, so a reply may
+    still repeat one name and miss another, which validation catches.
+    """
+    item = strict_object(
+        {
+            "capability": {"type": "string", "enum": list(names)},
+            "label": {"type": "string", "enum": [v.value for v in LabelValue]},
+            "rationale": {"type": "string", "maxLength": 200},
+        }
+    )
+    return strict_object({"labels": {"type": "array", "items": item, "minItems": len(names), "maxItems": len(names)}})
+
+
 def request_seed(seed: int, run: int, uid: str, group: int, attempt: int) -> int:
     """Distinct, reproducible sampling seed per (run, trajectory, group, attempt)."""
     return int(stable_hash([seed, run, uid, group, attempt], 8), 16) % (2**31)
@@ -272,7 +289,6 @@ class LLMLabeler:
         transcripts: dict[str, str] = {}
         error_kinds: Counter[str] = Counter()
         attempts_hist: Counter[int] = Counter()
-        fmt = response_format(LabelReply, "capability_labels") if cfg.use_response_format else None
         with JsonlAppender(cache_path) as sink, tqdm(total=len(todo), desc="labeling", unit="req") as bar:
             for start in range(0, len(todo), cfg.chunk_size):
                 chunk = []
@@ -281,7 +297,7 @@ class LLMLabeler:
                         transcripts[t.uid] = compact_trajectory(t, cfg.compact, count)
                     prompt = self._prompt(template, transcripts[t.uid], groups[gi], t)
                     chunk.append(_Pending(t, r, gi, [c.name for c in groups[gi]], [Message(role="user", content=prompt)]))
-                self._run_chunk(chunk, known, seed, fmt, error_kinds)
+                self._run_chunk(chunk, known, seed, error_kinds)
                 for p in chunk:
                     rec = LabelRecord(
                         dictionary=dict_key,
@@ -330,7 +346,6 @@ class LLMLabeler:
         chunk: list[_Pending],
         known: set[str],
         seed: int,
-        fmt: dict[str, Any] | None,
         error_kinds: Counter[str],
     ) -> None:
         """Ask, validate and re-ask (with the errors appended) until each request is done or out of attempts."""
@@ -344,7 +359,9 @@ class LLMLabeler:
                     top_p=cfg.top_p,
                     max_new_tokens=cfg.max_new_tokens,
                     seed=request_seed(seed, p.run, p.traj.uid, p.group, p.attempts),
-                    response_format=fmt,
+                    response_format=response_format(label_schema(p.remaining), "capability_labels")
+                    if cfg.use_response_format
+                    else None,
                 )
                 for p in active
             ]

@@ -10,8 +10,6 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from pydantic import BaseModel
-
 from tracekit.llm.base import ChatResponse
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
@@ -51,9 +49,14 @@ def reply_text(resp: ChatResponse) -> str:
     return resp.message.content if resp.message.content is not None else resp.text
 
 
-def response_format(model: type[BaseModel], name: str) -> dict[str, Any]:
-    """OpenAI-style ``response_format`` for a JSON schema (backends that cannot enforce it ignore it)."""
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": model.model_json_schema()}}
+def response_format(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """OpenAI-style ``response_format`` for a JSON schema (vLLM, OpenAI and the hf client's grammar enforce it)."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+def strict_object(properties: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-schema object with every property required and no others (what strict decoders accept)."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
 def short_error(e: object, limit: int = 600) -> str:

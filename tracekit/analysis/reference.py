@@ -135,14 +135,23 @@ def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str,
     return out
 
 
-def trajectory_domain(traj: Trajectory) -> str:
-    """The tau^2 domain of a trajectory: ``info["domain"]`` if set, else the one domain named in ``env``."""
-    if isinstance(traj.info.get("domain"), str):
-        return traj.info["domain"]
-    hits = [d for d in DOMAINS if d in traj.env.lower()]
-    if len(hits) != 1:
-        raise ValueError(f"cannot tell the tau2 domain of env {traj.env!r} (set info['domain'])")
-    return hits[0]
+def trajectory_task(traj: Trajectory) -> tuple[str, str]:
+    """(tau^2 domain, tau^2 task id) of a trajectory.
+
+    Domain: ``info["domain"]`` if set, else the one domain named in ``env`` (``tau2_retail``).
+    Task id: ``info["tau2_task_id"]`` if set, else ``task_id`` without a ``<domain>/`` prefix
+    (the tau^2 adapter writes ``retail/5``).
+    """
+    domain = traj.info.get("domain")
+    if not isinstance(domain, str):
+        hits = [d for d in DOMAINS if d in traj.env.lower()]
+        if len(hits) != 1:
+            raise ValueError(f"cannot tell the tau2 domain of env {traj.env!r} (set info['domain'])")
+        domain = hits[0]
+    task = traj.info.get("tau2_task_id")
+    if task is None:
+        task = traj.task_id.removeprefix(f"{domain}/")
+    return domain, str(task)
 
 
 # ---------------------------------------------------------------- trajectory side
@@ -353,11 +362,11 @@ class ReferenceLabeler:
 
     def spec(self, traj: Trajectory) -> GoldSpec | None:
         """The gold spec of a trajectory's task (loading its domain from tau2 on first use)."""
-        domain = trajectory_domain(traj)
+        domain, task = trajectory_task(traj)
         if domain not in self._loaded:
             self._gold.update(tau2_gold([domain]))
             self._loaded.add(domain)
-        return self._gold.get((domain, traj.task_id))
+        return self._gold.get((domain, task))
 
     def _noisy(self, value: LabelValue, seed: int, run: int, uid: str, cap: str) -> LabelValue:
         if self.noise == 0.0 or value == LabelValue.NA:

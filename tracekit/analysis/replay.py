@@ -105,12 +105,12 @@ def replay_trajectory(
     said = all(i.lower() in final_message.lower().replace(",", "") for i in info)
     success = db_hash == gold_hash and said
     return Trajectory(
-        task_id=task_id,
+        task_id=f"{domain}/{task_id}",  # as the tau^2 adapter names tasks
         env=f"tau2_{domain}",
         sample=sample,
         messages=msgs,
         reward=float(success),
         success=success,
         termination="agent_stop",
-        info={"domain": domain, "replay": json.dumps([c.name for c in calls])},
+        info={"domain": domain, "tau2_task_id": task_id, "replay": json.dumps([c.name for c in calls])},
     )

@@ -68,7 +68,9 @@ class ScriptedUser:
                 triggers = FACT_TRIGGERS.get(key, [key.replace("_", " ")])
                 if any(re.search(r"\b" + re.escape(t), text) for t in triggers):
                     self.answers += 1
-                    return f"My {key.replace('_', ' ')} is {value}.", False
+                    # an identifier is named ("My email is x"), a description is said as is
+                    said = f"My {key.replace('_', ' ')} is {value}." if " " not in value else f"It's {value}."
+                    return said, False
         return CLOSING_REPLY, True
 
 

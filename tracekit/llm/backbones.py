@@ -26,14 +26,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from filelock import FileLock
 
-from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.artifacts import atomic_write_json
 from tracekit.llm.templates import TEMPLATES
 from tracekit.llm.tools import check_chat_format
 from tracekit.types import stable_hash
@@ -62,8 +62,7 @@ class BackboneSpec:
     dtype: str = "bfloat16"
     hf_id: str | None = None
     seed: int = 0
-    notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""  # where the architecture numbers come from
 
     def __post_init__(self) -> None:
         if self.source not in ("random", "gguf", "hub"):
@@ -368,6 +367,7 @@ def cached_folder(final: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
         try:
             info = build(tmp)
             atomic_write_json(tmp / _MARKER, info)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
             if final.exists():  # a folder without marker: left by a foreign writer; replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     rows: list[tuple[str, str]] = [("torch threads", str(torch.get_num_threads())), ("load average (1/5/15 min)", load)]
 
+    import transformers  # noqa: F401  (imported before timing, so load time is the load alone)
+
     if args.fresh_export:
         with tempfile.TemporaryDirectory() as tmp, _Timer() as t:
             export_smollm2(tmp)

@@ -99,8 +99,7 @@ def _can_prune(cache: Any) -> bool:
 class _Row:
     """Generation state of one request."""
 
-    def __init__(self, index: int, req: ChatRequest, prompt: list[int], seed: int, matcher: Any):
-        self.index = index
+    def __init__(self, req: ChatRequest, prompt: list[int], seed: int, matcher: Any):
         self.req = req
         self.prompt = prompt
         self.rng = np.random.Generator(np.random.PCG64(seed))
@@ -119,7 +118,8 @@ class HFChatClient(ChatClient):
     schema-valid call (``tool_choice="required"``: a call). ``stop_at_tool_call_end``: stop a row
     at ``</tool_call>`` (one call block per turn). ``seed``: seeds requests with ``seed=None``
     (``seed + running request number``, deterministic for a fixed call sequence).
-    ``max_context_tokens``: prompt + completion cap (finish_reason ``length``). ``torch_threads``:
+    ``max_context_tokens``: prompt + completion cap (finish_reason ``length``; default: the model's
+    ``max_position_embeddings``). ``torch_threads``:
     torch's intra-op threads while generating (restored after; 1 is fastest for tiny models and on
     oversubscribed CPUs). ``max_whitespace``: whitespace run allowed inside constrained JSON.
     A request's ``response_format`` (``json_object`` / ``json_schema``) constrains its whole output
@@ -156,14 +156,15 @@ class HFChatClient(ChatClient):
         self.stop_at_tool_call_end = stop_at_tool_call_end
         self.seed = seed
         self.prefill_chunk = prefill_chunk
-        self.max_context_tokens = max_context_tokens
+        base = _base_model(model)
+        text_config = base.config.get_text_config()
+        self.max_context_tokens = max_context_tokens or getattr(text_config, "max_position_embeddings", None)
         self.torch_threads = torch_threads
         self.stop_ids = stop_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
         self._counter = itertools.count()
-        base = _base_model(model)
-        self._vocab = int(base.config.get_text_config().vocab_size)
+        self._vocab = int(text_config.vocab_size)
         self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         self.max_whitespace = max_whitespace
         self._grammar: ToolCallGrammar | None = None
@@ -186,8 +187,11 @@ class HFChatClient(ChatClient):
                 matcher = self._grammars().json_matcher(req.response_format)
             elif self.constrained_tool_calls and req.tools:
                 matcher = self._grammars().matcher(req.tools, self.chat_format, self.tool_choice)
-            rows.append(_Row(i, req, prompt, seed, matcher))
-        ordered = sorted(rows, key=lambda r: len(r.prompt))
+            row = _Row(req, prompt, seed, matcher)
+            if self.max_context_tokens is not None and len(prompt) >= self.max_context_tokens:
+                row.finish = "length"  # no room left to generate
+            rows.append(row)
+        ordered = sorted((r for r in rows if r.finish is None), key=lambda r: len(r.prompt))
         was_training, threads = self.model.training, torch.get_num_threads()
         self.model.eval()
         if self.torch_threads:

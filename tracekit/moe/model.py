@@ -148,6 +148,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _arch(model: nn.Module) -> dict[str, Any]:
     c = model.config
     return {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
@@ -185,6 +193,11 @@ class LoRAMoEModel(nn.Module):
         self.blocks = sorted(by_block)
         self.adapted_modules = modules
         layers = decoder_layers(model)
+        for module in modules:  # validate everything before touching the backbone
+            base = model.get_submodule(module) if _has_submodule(model, module) else None
+            if not isinstance(base, nn.Linear):
+                kind = "missing" if base is None else type(base).__name__
+                raise TypeError(f"adapted module {module} is {kind} in the backbone; LoRAMoELinear wraps nn.Linear")
         model.requires_grad_(False)
         hidden = model.config.hidden_size
         n_slots = len(self.slot_names)
@@ -192,18 +205,16 @@ class LoRAMoEModel(nn.Module):
         self.routings: dict[int, BlockRouting] = {}
         gates = {}
         for b in self.blocks:
-            if b >= len(layers):
-                raise ValueError(f"adapters adapt block {b}, the backbone has {len(layers)} decoder layers")
             routing = BlockRouting(len(adapters), config.include_base_slot, self.inference_spec)
             self.routings[b] = routing
             for module in by_block[b]:
                 parent_name, _, child = module.rpartition(".")
                 parent = model.get_submodule(parent_name)
-                base = getattr(parent, child)
-                if not isinstance(base, nn.Linear):
-                    raise TypeError(f"adapted module {module} is {type(base).__name__}, LoRAMoELinear wraps nn.Linear")
                 bank = LoRAMoELinear(
-                    base, [a.factors[module] for a in adapters], [a.scales[module] for a in adapters], routing
+                    getattr(parent, child),
+                    [a.factors[module] for a in adapters],
+                    [a.scales[module] for a in adapters],
+                    routing,
                 )
                 setattr(parent, child, bank)
             device = next(layers[b].parameters()).device
@@ -429,8 +440,10 @@ def build_lora_moe(
     model = LoRAMoEModel(backbone, loaded, config, backbone_spec)
     for a in loaded:
         a.factors.clear()  # the bank holds them now
+    from tracekit.moe.params import format_counts
+
     log.info(
-        "LoRA-MoE: %d adapters %s over %d blocks x %d projections, %d gate slots",
-        len(loaded), names, len(model.blocks), len(ref) // max(1, len(model.blocks)), len(model.slot_names),
+        "LoRA-MoE: %d adapters %s over %d blocks, %d adapted projections, %d gate slots\n%s",
+        len(loaded), names, len(model.blocks), len(ref), len(model.slot_names), format_counts(model.parameter_counts()),
     )  # fmt: skip
     return model

@@ -37,10 +37,10 @@ def run_episodes(
     temperature: float,
     top_p: float = 1.0,
     max_new_tokens: int = 512,
-    max_turns: int = 50,
+    max_steps: int = 50,
     sample_seed: int = 0,
 ) -> list[Trajectory]:
-    """Run every spec to its end (env done, ``max_turns`` assistant turns, or context exhausted).
+    """Run every spec to its end (env done, ``max_steps`` assistant turns, or context exhausted).
 
     ``sample_seed`` and the spec identify each request's sampling seed, so a rerun with the same
     arguments reproduces the same rollouts on CPU. Environments are reset and stepped through
@@ -106,8 +106,8 @@ def run_episodes(
             msgs[i].extend(res.messages)
             if res.done:
                 term[i] = res.termination or "done"
-            elif len(turns[i]) >= max_turns:
-                term[i] = "max_turns"
+            elif len(turns[i]) >= max_steps:
+                term[i] = "max_steps"
             else:
                 active.append(i)
         step += 1

@@ -32,31 +32,10 @@ from typing import Any
 import torch
 
 from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.rl.settings import LauncherSettings
 from tracekit.rl.trainer import Dist, GRPOSettings, GRPOTrainer
 
 log = logging.getLogger(__name__)
-
-KINDS = ("local", "deepspeed_zero2", "deepspeed_zero3")
-
-
-@dataclass
-class LauncherSettings:
-    kind: str = "local"  # local | deepspeed_zero2 | deepspeed_zero3
-    nproc: int = 1  # processes (GPUs, or CPU processes over gloo)
-    command: str = "torchrun"  # torchrun | deepspeed
-    master_port: int | None = None  # None: a free port
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"launcher.kind={self.kind!r} is invalid: must be one of {', '.join(KINDS)}")
-        if self.nproc < 1:
-            raise ValueError(f"launcher.nproc={self.nproc!r} is invalid: must be >= 1")
-        if self.command not in ("torchrun", "deepspeed"):
-            raise ValueError(f"launcher.command={self.command!r} is invalid: must be torchrun or deepspeed")
-
-    @property
-    def zero_stage(self) -> int:
-        return {"local": 0, "deepspeed_zero2": 2, "deepspeed_zero3": 3}[self.kind]
 
 
 @dataclass

@@ -160,7 +160,7 @@ class _KeywordEpisode(Episode):
         done = len(self.scores) >= self.turns
         if not done:
             out.append(Message(role="user", content=f"Please ping {self.host} again."))
-        return StepResult(messages=out, done=done, termination="max_turns" if done else "")
+        return StepResult(messages=out, done=done, termination="all_turns_done" if done else "")
 
     def outcome(self) -> Outcome:
         reward = sum(self.scores) / self.turns

@@ -55,88 +55,12 @@ import torch
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json, write_jsonl
 from tracekit.envs.base import EnvSuite
 from tracekit.rl import grpo
+from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.episodes import EpisodeSpec, run_episodes, tool_calls
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
 from tracekit.types import Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoraSettings:
-    rank: int = 32
-    alpha: int = 64
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-
-
-@dataclass
-class GRPOSettings:
-    """Every knob of the recipe (the ``grpo`` config group maps onto this one-to-one)."""
-
-    iterations: int = 40
-    groups: int = 4  # G seeds per iteration
-    group_size: int = 8  # K rollouts per seed
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 512  # per assistant turn
-    max_turns: int = 50  # assistant turns per episode (the paper's 50 interaction steps)
-    max_prompt_tokens: int = 32000  # context budget (the paper's 32,000)
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None  # DAPO clip-higher; None = clip_eps (eq. (2))
-    adv_eps: float = 1e-6
-    kl_beta: float = 0.0  # k3 KL to the frozen base (adapter disabled); 0 = off (paper)
-    old_logprobs: str = "rollout"  # rollout | recompute
-    tis_cap: float | None = None  # truncated importance sampling cap; needs old_logprobs=recompute
-    filter_zero_variance: bool = True
-    dynamic_resampling: bool = False
-    max_resample_rounds: int = 4
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
-    epochs: int = 1  # passes over each rollout batch
-    num_minibatches: int = 4  # optimizer steps per epoch
-    microbatch_tokens: int = 8192  # padded tokens per forward/backward (length bucketing)
-    logprob_chunk: int = 1024  # rows of the [tokens x vocab] logits alive at once
-    rollout_batch_size: int = 64  # sequences per generate call (hf engine)
-    gradient_checkpointing: bool = False
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
-    seed: int = 0
-    checkpoint_every: int = 5
-    keep_checkpoints: int = 2
-    save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
-    lora: LoraSettings = field(default_factory=LoraSettings)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.lora, dict):
-            self.lora = LoraSettings(**self.lora)
-        self.betas = tuple(self.betas)  # type: ignore[assignment]
-        checks = [
-            (self.group_size >= 2, "group_size", ">= 2"),
-            (self.groups >= 1, "groups", ">= 1"),
-            (self.iterations >= 1, "iterations", ">= 1"),
-            (self.temperature > 0, "temperature", "> 0"),
-            (0 < self.clip_eps < 1, "clip_eps", "in (0, 1)"),
-            (self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high", "> 0 or null"),
-            (self.kl_beta >= 0, "kl_beta", ">= 0"),
-            (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
-            (
-                self.tis_cap is None or (self.tis_cap >= 1 and self.old_logprobs == "recompute"),
-                "tis_cap",
-                ">= 1 with old_logprobs=recompute, or null",
-            ),
-            (self.num_minibatches >= 1 and self.epochs >= 1, "num_minibatches/epochs", ">= 1"),
-            (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
-            (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
-            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
-            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
-        ]
-        for ok, key, valid in checks:
-            if not ok:
-                raise ValueError(f"grpo.{key}={getattr(self, key.split('/')[0])!r} is invalid: must be {valid}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,17 +119,34 @@ def build_peft_model(model: torch.nn.Module, lora: LoraSettings, seed: int) -> t
     missing = [t for t in lora.target_modules if t not in names]
     if missing:
         raise ValueError(f"grpo.lora.target_modules {missing} match no module of {type(model).__name__}")
+    params = [n for n, _ in model.named_parameters()]
+    missing = [t for t in lora.target_parameters if not any(n == t or n.endswith("." + t) for n in params)]
+    if missing:
+        raise ValueError(f"grpo.lora.target_parameters {missing} match no parameter of {type(model).__name__}")
     cfg = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
+        target_parameters=list(lora.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, cfg)
+
+
+def set_activation_checkpointing(lm: torch.nn.Module, on: bool) -> None:
+    """Recompute activations in backward (non-reentrant: the frozen embeddings need no input grads).
+
+    transformers >= 5.2x names it ``activation_checkpointing_*``; earlier 5.x ``gradient_checkpointing_*``.
+    """
+    kw = {"use_reentrant": False}
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw) if on else lm.activation_checkpointing_disable()
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw) if on else lm.gradient_checkpointing_disable()
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -347,7 +288,7 @@ class GRPOTrainer:
         model = model.to(device=self.device, dtype=dtype)
         self.model = build_peft_model(model, settings.lora, settings.seed)
         if settings.gradient_checkpointing:
-            causal_lm(self.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            set_activation_checkpointing(causal_lm(self.model), True)
         self.backend = (backend_factory or LocalBackend)(self.model, settings)
         if engine_factory is None:
             from tracekit.rl.engines import HFEngine
@@ -439,7 +380,7 @@ class GRPOTrainer:
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_new_tokens=s.max_new_tokens,
-                max_turns=s.max_turns,
+                max_steps=s.max_steps,
                 sample_seed=int(stable_hash([s.seed, it, rnd], 15), 16),
             )
             all_trajs += trajs

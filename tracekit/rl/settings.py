@@ -1,0 +1,108 @@
+"""GRPO, LoRA and launcher settings: plain dataclasses (no torch import), also the Hydra schema of
+the ``grpo`` and ``launcher`` config groups (see :mod:`tracekit.config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("local", "deepspeed_zero2", "deepspeed_zero3")
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # nn.Parameters to adapt (peft ``target_parameters``): MoE experts fused into 3-D tensors, e.g.
+    # Qwen3-MoE in transformers 5: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    target_parameters: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GRPOSettings:
+    """Every knob of the recipe (the ``grpo`` config group maps onto this one-to-one)."""
+
+    iterations: int = 40
+    groups: int = 4  # G seeds per iteration
+    group_size: int = 8  # K rollouts per seed
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512  # per assistant turn
+    max_steps: int = 50  # assistant turns per episode (the paper's 50 interaction steps)
+    max_prompt_tokens: int = 32000  # context budget (the paper's 32,000)
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # DAPO clip-higher; None = clip_eps (eq. (2))
+    adv_eps: float = 1e-6
+    kl_beta: float = 0.0  # k3 KL to the frozen base (adapter disabled); 0 = off (paper)
+    old_logprobs: str = "rollout"  # rollout | recompute
+    tis_cap: float | None = None  # truncated importance sampling cap; needs old_logprobs=recompute
+    filter_zero_variance: bool = True
+    dynamic_resampling: bool = False
+    max_resample_rounds: int = 4
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    epochs: int = 1  # passes over each rollout batch
+    num_minibatches: int = 4  # optimizer steps per epoch
+    microbatch_tokens: int = 8192  # padded tokens per forward/backward (length bucketing)
+    logprob_chunk: int = 1024  # rows of the [tokens x vocab] logits alive at once
+    rollout_batch_size: int = 64  # sequences per generate call (hf engine)
+    gradient_checkpointing: bool = False
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    seed: int = 0
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        checks = [
+            (self.group_size >= 2, "group_size", ">= 2"),
+            (self.groups >= 1, "groups", ">= 1"),
+            (self.iterations >= 1, "iterations", ">= 1"),
+            (self.temperature > 0, "temperature", "> 0"),
+            (0 < self.clip_eps < 1, "clip_eps", "in (0, 1)"),
+            (self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high", "> 0 or null"),
+            (self.kl_beta >= 0, "kl_beta", ">= 0"),
+            (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
+            (
+                self.tis_cap is None or (self.tis_cap >= 1 and self.old_logprobs == "recompute"),
+                "tis_cap",
+                ">= 1 with old_logprobs=recompute, or null",
+            ),
+            (self.num_minibatches >= 1 and self.epochs >= 1, "num_minibatches/epochs", ">= 1"),
+            (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
+            (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
+            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
+        ]
+        for ok, key, valid in checks:
+            if not ok:
+                raise ValueError(f"grpo.{key}={getattr(self, key.split('/')[0])!r} is invalid: must be {valid}")
+
+
+@dataclass
+class LauncherSettings:
+    kind: str = "local"  # local | deepspeed_zero2 | deepspeed_zero3
+    nproc: int = 1  # processes (GPUs, or CPU processes over gloo)
+    command: str = "torchrun"  # torchrun | deepspeed
+    master_port: int | None = None  # None: a free port
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"launcher.kind={self.kind!r} is invalid: must be one of {', '.join(KINDS)}")
+        if self.nproc < 1:
+            raise ValueError(f"launcher.nproc={self.nproc!r} is invalid: must be >= 1")
+        if self.command not in ("torchrun", "deepspeed"):
+            raise ValueError(f"launcher.command={self.command!r} is invalid: must be torchrun or deepspeed")
+
+    @property
+    def zero_stage(self) -> int:
+        return {"local": 0, "deepspeed_zero2": 2, "deepspeed_zero3": 3}[self.kind]
