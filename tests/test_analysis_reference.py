@@ -116,6 +116,13 @@ def test_unparsable_call_is_precision_lacking(gold):
     assert values(t, gold)[TCP] == L
 
 
+def test_agent_that_does_nothing(gold):
+    t = replay_trajectory("retail", "11", [], final_message="How can I help?")
+    got = values(t, gold)
+    assert got[MSC] == L and got[TCP] == L and got[SDR] == L  # needed, never exercised
+    assert got[PV] == P  # no unauthorized state change
+
+
 def test_untold_information_is_data_reasoning_lacking(gold):
     t = replay_trajectory("airline", "7", final_message="All set.")
     assert not t.success

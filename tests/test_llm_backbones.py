@@ -119,3 +119,14 @@ def test_cached_folder_is_atomic(tmp_path):
 
     assert cached_folder(final, ok) == final and cached_folder(final, ok) == final
     assert calls == [1] and (final / "data.txt").read_text() == "hello"
+
+
+def test_resolve_dtype():
+    from tracekit.llm.backbones import resolve_dtype
+
+    assert resolve_dtype(None, "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", device="cpu") == torch.float32
+    assert resolve_dtype("auto", device="cuda:0") == torch.bfloat16
+    assert resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'fp32'"):
+        resolve_dtype("fp32")

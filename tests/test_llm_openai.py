@@ -55,7 +55,7 @@ def test_text_reply_and_request_body():
     assert body["model"] == "stub-model" and body["tools"] == TOOLS and body["seed"] == 42 and body["max_tokens"] == 64
     call = body["messages"][1]["tool_calls"][0]
     assert call["function"]["arguments"] == '{"order_id": "#W1"}' and body["messages"][1]["content"] is None
-    assert body["messages"][2] == {"role": "tool", "content": '{"status": "shipped"}', "tool_call_id": "call_1_0", "name": "get_order"}
+    assert body["messages"][2] == {"role": "tool", "content": '{"status": "shipped"}', "tool_call_id": "call_1_0"}
     assert "logprobs" not in body
 
 

@@ -73,6 +73,7 @@ class ThresholdsConfig:
     rho: float = 0.10  # failure coverage
     k: int = 8  # keep a capability selected in at least k ...
     n: int = 10  # ... of n independent labeling runs
+    undefined_er_pos: str = "zero"  # no applicable success: ER+ := 0 (flagged) | unselectable
 
 
 @dataclass
@@ -88,6 +89,12 @@ class AnalysisConfig:
     compact_chars: int = 6000
     label_noise: float = 0.0  # reference labeler: seeded flip rate emulating annotator variance
     examples_per_capability: int = 3
+    chunk_size: int = 16  # labeling requests per client call (concurrency + checkpoint unit)
+    show_outcome: bool = True  # tell the labeler whether the episode succeeded (the paper contrasts outcomes)
+    use_response_format: bool = True  # JSON schema to the endpoint (grammar-constrained on the hf client)
+    min_capabilities: int = 5
+    max_capabilities: int = 10
+    max_new_tokens: int = 1024
 
 
 @dataclass
@@ -230,6 +237,7 @@ def validate(cfg: DictConfig) -> None:
         _check(0.0 <= t[key] <= 1.0, f"thresholds.{key}", t[key], "in [0, 1]")
     _check(t.n >= 1, "thresholds.n", t.n, ">= 1")
     _check(1 <= t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
+    _choice(cfg, "thresholds.undefined_er_pos", ("zero", "unselectable"))
     for stage in cfg.stages:
         _check(stage in STAGES, "stages", stage, "a list of " + ", ".join(STAGES))
     _choice(cfg, "benchmark.split", ("train", "test", "base"))

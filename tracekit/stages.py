@@ -174,6 +174,7 @@ def rollout_report(art: Artifact, ctx: StageContext) -> None:
 
 
 def discover_stage(ctx: StageContext) -> None:
+    from tracekit.analysis.compact import CompactConfig
     from tracekit.analysis.discovery import DiscoveryConfig, discover, write_dictionary
     from tracekit.analysis.reference import reference_dictionary
 
@@ -183,11 +184,14 @@ def discover_stage(ctx: StageContext) -> None:
         return
     pinned = str(Path(a.dictionary_path).expanduser().resolve()) if a.discovery == "pinned" else None
     client = None if pinned else client_for(ctx.cfg, a.endpoint)
-    discover(trajectories_of(ctx.inputs["rollout"]), client,
-             DiscoveryConfig(max_attempts=a.max_retries + 1, seed=ctx.seed, pinned=pinned), ctx.work_dir)
+    discover(trajectories_of(ctx.inputs["rollout"]), client, DiscoveryConfig(
+        min_capabilities=a.min_capabilities, max_capabilities=a.max_capabilities, max_attempts=a.max_retries + 1,
+        max_new_tokens=a.max_new_tokens, seed=ctx.seed, compact=CompactConfig(max_chars=a.compact_chars),
+        use_response_format=a.use_response_format, pinned=pinned), ctx.work_dir)
 
 
 def label_stage(ctx: StageContext) -> None:
+    from tracekit.analysis.compact import CompactConfig
     from tracekit.analysis.discovery import read_dictionary
     from tracekit.analysis.labeling import LabelingConfig, LLMLabeler
     from tracekit.analysis.reference import ReferenceLabeler
@@ -199,7 +203,9 @@ def label_stage(ctx: StageContext) -> None:
     else:
         labeler = LLMLabeler(client_for(ctx.cfg, a.endpoint), LabelingConfig(
             temperature=a.temperature, capabilities_per_call=a.capabilities_per_call,
-            max_attempts=a.max_retries + 1, on_missing=a.on_missing))
+            max_attempts=a.max_retries + 1, max_new_tokens=a.max_new_tokens, chunk_size=a.chunk_size,
+            on_missing=a.on_missing, show_outcome=a.show_outcome, compact=CompactConfig(max_chars=a.compact_chars),
+            use_response_format=a.use_response_format))
     label(trajectories_of(ctx.inputs["rollout"]), read_dictionary(ctx.inputs["discover"].path), labeler,
           runs=ctx.cfg.thresholds.n, seed=ctx.seed, out_dir=ctx.work_dir)
 
@@ -217,7 +223,8 @@ def select_stage(ctx: StageContext) -> None:
 
     t = ctx.cfg.thresholds
     run_select(read_labels(ctx.inputs["label"].path), read_dictionary(ctx.inputs["discover"].path),
-               Thresholds(delta=t.delta, rho=t.rho, k=t.k, n=t.n), ctx.work_dir)
+               Thresholds(delta=t.delta, rho=t.rho, k=t.k, n=t.n, undefined_er_pos=t.undefined_er_pos),
+               ctx.work_dir, examples=ctx.cfg.analysis.examples_per_capability)
 
 
 def select_report(art: Artifact, ctx: StageContext) -> None:
@@ -274,13 +281,18 @@ def build_pipeline() -> Pipeline:
     return Pipeline([
         Stage("rollout", reads=ROLLOUT_READS, inputs=(), compute=rollout_stage, report=rollout_report),
         Stage("discover", reads=("analysis.discovery", "analysis.dictionary_path", "analysis.endpoint",
-                                 "analysis.max_retries", "llm.endpoints.analysis"),
+                                 "analysis.max_retries", "analysis.min_capabilities", "analysis.max_capabilities",
+                                 "analysis.max_new_tokens", "analysis.compact_chars", "analysis.use_response_format",
+                                 "llm.endpoints.analysis"),
               inputs=("rollout",), compute=discover_stage),
         Stage("label", reads=("analysis.labeler", "analysis.label_noise", "analysis.temperature",
                               "analysis.capabilities_per_call", "analysis.max_retries", "analysis.on_missing",
-                              "analysis.endpoint", "llm.endpoints.analysis", "thresholds.n"),
+                              "analysis.max_new_tokens", "analysis.chunk_size", "analysis.show_outcome",
+                              "analysis.compact_chars", "analysis.use_response_format", "analysis.endpoint",
+                              "llm.endpoints.analysis", "thresholds.n"),
               inputs=("rollout", "discover"), compute=label_stage, report=label_report),
-        Stage("select", reads=("thresholds",), inputs=("label", "discover"), compute=select_stage,
+        Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
+              compute=select_stage,
               report=select_report, identity_files=("selected_names.json",)),
         Stage("evaluate", reads=("eval.methods",), inputs=("rollout",), compute=evaluate_stage,
               report=evaluate_report),

@@ -194,7 +194,7 @@ def discover(
         log.info("discovery: pinned dictionary %s (%d capabilities)", cfg.pinned, len(caps))
         return caps
     if client is None:
-        raise ValueError("discovery needs an analysis client (llm) or a pinned dictionary (discovery.pinned)")
+        raise ValueError("discovery needs an analysis client (llm) or a pinned dictionary file")
     if not trajectories:
         raise ValueError("discovery needs trajectories, got none")
     if all(t.success for t in trajectories):

@@ -56,7 +56,8 @@ def failure_coverage_figure(selection: dict[str, Any], path: Path) -> Path:
     hi = [c["cov_iqr"][1] - c["median_cov"] for c in cands]
     ax.bar(range(len(cands)), med, color=[KEPT if c["selected"] else DROPPED for c in cands])
     ax.errorbar(range(len(cands)), med, yerr=[lo, hi], fmt="none", ecolor="k", capsize=3, lw=1)
-    ax.axhline(selection["thresholds"]["rho"], ls="--", lw=1, color="k", label="rho")
+    rho = selection["thresholds"]["rho"]
+    ax.axhline(rho, ls="--", lw=1, color="k", label=f"rho = {rho:g}")
     ax.set_xticks(range(len(cands)), [c["name"] for c in cands], rotation=35, ha="right", fontsize=8)
     ax.set_ylim(0, 1)
     ax.set_ylabel("failure coverage (median, IQR)")

@@ -399,7 +399,9 @@ class LLMLabeler:
     def _make_label(p: _Pending, cap: str) -> Label:
         if cap in p.accepted:
             value, rationale = p.accepted[cap]
-            return Label(trajectory=p.traj.uid, capability=cap, run=p.run, value=value, rationale=rationale, success=p.traj.success)
+            return Label(
+                trajectory=p.traj.uid, capability=cap, run=p.run, value=value, rationale=rationale, success=p.traj.success
+            )
         last = p.errors[-1] if p.errors else "no reply"
         return Label(
             trajectory=p.traj.uid,

@@ -18,20 +18,25 @@ Step 1, alignment of the agent's write calls with the gold write actions:
 Step 2, labels (NA when the capability's condition does not arise in the task):
 - tool_calling_precision: NA if the task has no gold action. LACKING if a wrong-argument pair
   exists (right write tool, wrong arguments), an assistant message failed to parse as a tool
-  call, or a call names a tool the domain does not have. Else PRESENT.
+  call, a call names a tool the domain does not have, or the agent never called a tool (the
+  capability was needed and not exercised). Else PRESENT.
 - multi_step_task_completion: NA if the task has no gold write. LACKING if some gold write was
   never attempted (this covers a strict prefix of the required writes followed by stopping, and
   a task whose only write never comes after the look-ups). Else PRESENT.
 - precondition_verification: NA if neither the gold nor the agent's successful calls contain a
   write. LACKING if an extra write call went through (a state change the correct resolution
-  does not contain, i.e. not allowed by policy for this task). Else PRESENT.
+  does not contain, i.e. not allowed by policy for this task). Else PRESENT, also when the
+  agent changed nothing (the heuristic cannot see whether eligibility was checked).
 - structured_data_reasoning: NA if the task has neither a gold write (whose arguments come from
-  records: ids, items, payment methods) nor ``communicate_info``. LACKING if (i) a wrong-argument pair differs on a value that the gold
-  has and that was in a tool result the agent had received before that call but was not said
-  by the user before it (the right value was in the retrieved records; a wrong one was used),
-  or (ii) the agent got at least one non-error read/generic result, yet some ``communicate_info``
+  records: ids, items, payment methods) nor ``communicate_info``. LACKING if
+  (i) a wrong-argument pair differs on a value that the gold has and that was in a tool result
+  the agent had received before that call but was not said by the user before it (the right
+  value was in the retrieved records; a wrong one was used), or
+  (ii) the agent got at least one non-error read/generic result, yet some ``communicate_info``
   item (a looked-up or computed value the user must be told) is in no assistant message
-  (tau^2's check: case-insensitive, commas removed from the message). Else PRESENT.
+  (tau^2's check: case-insensitive, commas removed from the message), or
+  (iii) the agent got no non-error read/generic result at all and did not get every gold write
+  exactly right and every item told (needed, never exercised). Else PRESENT.
 The rules are not mutually exclusive (a wrong data-derived argument is lacking both precision
 and data reasoning), like the paper's coverage counts.
 
@@ -296,8 +301,9 @@ def reference_labels(traj: Trajectory, spec: GoldSpec) -> dict[str, tuple[LabelV
     unknown = sorted({c.name for c in calls if c.name not in spec.tools})
     if not spec.actions:
         out[TCP] = (LabelValue.NA, "the task needs no tool action")
-    elif al.wrong_args or parse_errors or unknown:
-        why = [f"{g.name} called with wrong arguments" for g, _ in al.wrong_args[:2]]
+    elif al.wrong_args or parse_errors or unknown or not calls:
+        why = ["never called a tool"] if not calls else []
+        why += [f"{g.name} called with wrong arguments" for g, _ in al.wrong_args[:2]]
         why += [f"{parse_errors} unparsable tool call(s)"] if parse_errors else []
         why += [f"unknown tool(s) {unknown}"] if unknown else []
         out[TCP] = (LabelValue.LACKING, "; ".join(why))
@@ -335,10 +341,12 @@ def reference_labels(traj: Trajectory, spec: GoldSpec) -> dict[str, tuple[LabelV
     else:
         wrong = [(g.name, p) for g, c in al.wrong_args for p in _data_errors(g, c)]
         had_data = any(c.ok and c.name not in spec.write_tools for c in calls)
-        untold = [i for i in spec.communicate_info if not _said(i, traj)] if had_data else []
-        if wrong or untold:
+        untold = [i for i in spec.communicate_info if not _said(i, traj)]
+        all_right = not al.wrong_args and not al.unattempted and not untold
+        if wrong or (had_data and untold) or not (had_data or all_right):
             why = [f"{n}: wrong value at {p} though the right one was retrieved" for n, p in wrong[:2]]
-            why += [f"looked data up but never told the user {untold[:2]}"] if untold else []
+            why += [f"looked data up but never told the user {untold[:2]}"] if had_data and untold else []
+            why += [] if had_data or all_right else ["never looked up the records the task depends on"]
             out[SDR] = (LabelValue.LACKING, "; ".join(why))
         else:
             out[SDR] = (LabelValue.PRESENT, "values used and reported match the retrieved records")

@@ -77,8 +77,9 @@ def write_selection(selection: dict[str, Any], out_dir: str | Path) -> dict[str,
 
 
 def select_stage(
-    labels: list[Label], dictionary: list[Capability], thresholds: Thresholds, out_dir: str | Path
+    labels: list[Label], dictionary: list[Capability], thresholds: Thresholds, out_dir: str | Path,
+    examples: int = 5,
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """``select`` then ``write_selection``: the selection and the paths of its files."""
-    selection = select(labels, dictionary, thresholds)
+    selection = select(labels, dictionary, thresholds, examples=examples)
     return selection, write_selection(selection, out_dir)

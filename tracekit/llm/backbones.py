@@ -257,10 +257,15 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir or os.environ.get("TRACEKIT_CACHE") or Path.home() / ".cache" / "tracekit")
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, default: str = "float32", device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """A torch dtype from a name; ``None`` means ``default``; ``"auto"`` means bfloat16 on CUDA, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype or default
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} (expected e.g. float32, bfloat16, float16)")
@@ -291,7 +296,7 @@ def build_model_from_arch(
 
     spec = get_spec(name)
     config = build_config(spec)
-    torch_dtype = resolve_dtype(dtype, spec.dtype)
+    torch_dtype = resolve_dtype(dtype, spec.dtype, device if str(device) != "meta" else "cpu")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed if seed is None else seed)
         with torch.device(device):
@@ -314,7 +319,7 @@ def load_backbone(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = get_spec(spec)
-    torch_dtype = resolve_dtype(dtype, spec.dtype)
+    torch_dtype = resolve_dtype(dtype, spec.dtype, device)
     if spec.source == "random":
         model = build_model_from_arch(spec, device=device, dtype=torch_dtype)
         return model, bundled_tokenizer(spec.chat_format, cache_dir)

@@ -62,10 +62,12 @@ def _is_local(url: str) -> bool:
 
 
 def to_openai_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages in OpenAI wire format (tool-call arguments as JSON strings, null content beside calls)."""
+    """Messages in OpenAI wire format (tool-call arguments as JSON strings, null content beside calls;
+    tool results carry only ``tool_call_id``, as the OpenAI schema has no ``name`` for them)."""
     out = []
     for m in messages:
         d = m.to_chat()
+        d.pop("name", None)
         if m.tool_calls:
             d["content"] = m.content or None
             for c in d["tool_calls"]:

@@ -258,7 +258,9 @@ class LoRAMoELinear(nn.Module):
         self.base = base
         self.A = nn.Parameter(A, requires_grad=False)
         self.B = nn.Parameter(B, requires_grad=False)
-        self.register_buffer("scale", torch.tensor(scales, dtype=torch.float32), persistent=False)
+        self.register_buffer(
+            "scale", torch.tensor(scales, dtype=torch.float32, device=base.weight.device), persistent=False
+        )
         self.scales = [float(s) for s in scales]
         self.rank = r
         self.n_adapters = C
