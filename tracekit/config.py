@@ -143,6 +143,7 @@ class MoeConfig:
     batch_size: int = 4
     ce_chunk: int = 1024  # vocab-projection chunk for the CE (never the full [tokens x vocab] logits)
     gradient_checkpointing: bool = False
+    gate_data: str = "successes"  # GRPO rollouts the gate trains on: successes (paper) | all
     trajectories_per_capability: int = 32
 
 
@@ -211,7 +212,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: Any = None
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    stages: list[str] = field(default_factory=lambda: ["evaluate"])
     seed: int = 42
     name: str = "default"
 
@@ -262,6 +263,7 @@ def validate(cfg: DictConfig) -> None:
     _check(m.lambda_lb >= 0, "moe.lambda_lb", m.lambda_lb, ">= 0")
     _check(m.top_k >= 1, "moe.top_k", m.top_k, ">= 1")
     _choice(cfg, "moe.impl", ("grouped", "grouped_mm", "masked_dense"))
+    _choice(cfg, "moe.gate_data", ("successes", "all"))
     _choice(cfg, "consolidation.method", ("moe", "merge_ties", "merge_core_tsv", "multi_grpo", "sft_synthetic", "on_policy_distill"))
     _choice(cfg, "eval.mode", ("greedy", "stochastic"))
     _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")

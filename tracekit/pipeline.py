@@ -69,7 +69,7 @@ class StageContext:
 class Stage:
     name: str
     reads: tuple[str, ...]  # dotted config keys whose values the artifact depends on
-    inputs: tuple[str, ...]  # upstream stages
+    inputs: tuple[str, ...] | Callable[[DictConfig], tuple[str, ...]]  # upstream stages (or a function of cfg)
     compute: Callable[[StageContext], None]
     report: Callable[[Artifact, StageContext], None] | None = None  # runs on hits and misses alike
     identity_files: tuple[str, ...] = ()  # files defining the content key (default: the cache key)
@@ -80,14 +80,18 @@ class Pipeline:
     def __init__(self, stages: list[Stage]):
         self.stages = {s.name: s for s in stages}
 
-    def order(self, targets: list[str]) -> list[str]:
+    def inputs(self, cfg: DictConfig, name: str) -> tuple[str, ...]:
+        deps = self.stages[name].inputs
+        return deps(cfg) if callable(deps) else deps
+
+    def order(self, cfg: DictConfig, targets: list[str]) -> list[str]:
         """Targets plus their transitive inputs, in dependency order."""
         seen: list[str] = []
 
         def visit(name: str) -> None:
             if name not in self.stages:
                 raise KeyError(f"unknown stage {name!r}; stages: {', '.join(self.stages)}")
-            for dep in self.stages[name].inputs:
+            for dep in self.inputs(cfg, name):
                 visit(dep)
             if name not in seen:
                 seen.append(name)
@@ -107,9 +111,9 @@ class Pipeline:
 
     def run(self, cfg: DictConfig, targets: list[str], cache: StageCache, record: RunRecord) -> dict[str, Artifact]:
         done: dict[str, Artifact] = {}
-        for name in self.order(targets):
+        for name in self.order(cfg, targets):
             stage = self.stages[name]
-            inputs = {n: done[n] for n in stage.inputs}
+            inputs = {n: done[n] for n in self.inputs(cfg, name)}
             key = self.key(cfg, stage, inputs)
             ctx = StageContext(cfg, name, cache.final_dir(name, key), inputs,
                                derive_seed(cfg.seed, name), cache, record)

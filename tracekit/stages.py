@@ -58,8 +58,11 @@ def dtype(cfg: DictConfig) -> str | None:
     return "bfloat16" if device(cfg) == "cuda" else "float32"
 
 
-def client_for(cfg: DictConfig, role: str, adapter: str | None = None) -> Any:
-    """The chat client of an LLM role (``agent`` or a key of ``llm.endpoints``), built once."""
+def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str | None = None) -> Any:
+    """The chat client of an LLM role (``agent`` or a key of ``llm.endpoints``), built once.
+
+    ``adapter``: a peft adapter directory; ``moe``: a composed LoRA-MoE directory (agent only).
+    """
     from tracekit.llm import make_client
 
     if role == "agent":
@@ -70,7 +73,7 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None) -> Any:
         ep = {k: v for k, v in _plain(cfg.llm.endpoints[role]).items() if v is not None}
     if ep["kind"] == "hf":
         spec = {"kind": "hf", "backbone": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg),
-                "adapter": adapter, "max_batch_size": cfg.agent.batch_size,
+                "adapter": adapter, "moe": moe, "max_batch_size": cfg.agent.batch_size,
                 "constrained_tool_calls": cfg.agent.constrained_tool_calls if role == "agent" else False}
     else:
         key_env = ep.pop("api_key_env", None)
@@ -111,17 +114,17 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
     raise NotImplementedError(f"benchmark.kind={b.kind!r}: no adapter is built yet (built: tau2)")
 
 
-def build_agent(cfg: DictConfig, adapter: str | None = None) -> Any:
-    from tracekit.agents import GoldAgent, LLMAgent
+def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None) -> Any:
+    from tracekit.agents import GoldAgent
 
     if cfg.agent.kind == "gold":
         return GoldAgent()
-    return LLMAgent(client_for(cfg, "agent", adapter), temperature=cfg.eval.temperature, top_p=cfg.agent.top_p,
-                    max_new_tokens=cfg.agent.max_new_tokens)
+    return LLMAgentFor(cfg, cfg.eval.temperature, adapter, moe)
 
 
-def cached_rollout(ctx: StageContext, method: str, adapter: Artifact | None = None) -> Artifact:
-    """Roll the agent (+ ``adapter``) out on the benchmark, cached under ``episodes/<key>``.
+def cached_rollout(ctx: StageContext, method: str, weights: Artifact | None = None, kind: str = "adapter") -> Artifact:
+    """Roll the agent (+ a peft ``adapter`` or a composed ``moe``) out on the benchmark, cached under
+    ``episodes/<key>``.
 
     The base agent's rollout is shared by the ``rollout`` stage (analysis input) and the
     ``evaluate`` stage's Base row.
@@ -130,11 +133,11 @@ def cached_rollout(ctx: StageContext, method: str, adapter: Artifact | None = No
 
     cfg = ctx.cfg
     key = stable_hash({"reads": _select(cfg, ROLLOUT_READS), "method": method,
-                       "adapter": adapter.content_key if adapter else None}, length=20)
+                       "weights": weights.content_key if weights else None}, length=20)
 
     def compute(work: Path) -> None:
         suite = build_suite(cfg)
-        agent = build_agent(cfg, str(adapter.path / "adapter") if adapter else None)
+        agent = build_agent(cfg, **({kind: str(weights.path / kind)} if weights else {}))
         greedy = cfg.eval.temperature == 0
         summary = run_rollouts(
             suite, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
@@ -148,7 +151,14 @@ def cached_rollout(ctx: StageContext, method: str, adapter: Artifact | None = No
     return art
 
 
+def read_trajectories_dir(art: Artifact) -> list[Any]:
+    from tracekit.rollout import read_trajectories
+
+    return read_trajectories(art.path)
+
+
 def trajectories_of(art: Artifact) -> list[Any]:
+    """The base agent's trajectories behind a ``rollout`` stage artifact."""
     from tracekit.rollout import read_trajectories
 
     return read_trajectories(Path(read_json(art.path / "episodes.json")["path"]))
@@ -246,6 +256,194 @@ def select_report(art: Artifact, ctx: StageContext) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# synthetic environments, GRPO adapters, MoE composition
+
+
+def synthesis_target(cfg: DictConfig) -> str:
+    """The environment family synthesized environments must keep the interface of."""
+    domains = list(cfg.benchmark.domains)
+    if cfg.benchmark.kind == "tau2" and len(domains) == 1:
+        return f"tau2_{domains[0]}"
+    if cfg.benchmark.kind == "tau2":  # both domains: retail's tools (the larger split) as the family
+        return "tau2_retail"
+    return cfg.benchmark.name
+
+
+def synthesize_stage(ctx: StageContext) -> None:
+    from tracekit.synthesis.agent import AgentConfig
+    from tracekit.synthesis.calibrate import CalibrationTargets, make_rollout_fn
+    from tracekit.synthesis.sandbox import SandboxLimits
+    from tracekit.synthesis.stage import SynthesisSettings, synthesize
+    from tracekit.synthesis.validate import ValidationConfig
+
+    cfg, sy = ctx.cfg, ctx.cfg.synthesis
+    selected = read_json(ctx.inputs["select"].path / "selected.json")["selected"]
+    validation = ValidationConfig(n_seeds=sy.validation_seeds)
+    limits = SandboxLimits(cpu_seconds=sy.cpu_seconds, wall_seconds=sy.wall_seconds,
+                           memory_bytes=sy.memory_mb << 20)
+    targets = CalibrationTargets(mean_reward=(sy.target_low, sy.target_high),
+                                 success_rate=(sy.target_low, sy.target_high), min_informative=sy.min_informative)
+    settings = SynthesisSettings(
+        source=sy.source, difficulty=sy.difficulty, validation=validation, limits=limits, targets=targets,
+        calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k,
+        agent=AgentConfig(max_repair_rounds=sy.repair_rounds, max_mutation_rounds=sy.mutation_rounds,
+                          seed=ctx.seed, validation=validation, limits=limits, targets=targets,
+                          calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k))
+    rollout_fn = None
+    if sy.calibrate:  # calibrate against the current (base) policy, sampled as GRPO samples
+        agent = LLMAgentFor(cfg, temperature=cfg.grpo.temperature)
+        rollout_fn = make_rollout_fn(agent, ctx.work_dir / "calibration_rollouts", max_steps=cfg.grpo.max_steps,
+                                     batch_size=cfg.agent.batch_size, progress=False)
+    trajectories = {t.uid: t for t in trajectories_of(ctx.inputs["rollout"])} if sy.source == "generate" else None
+    client = client_for(cfg, sy.endpoint) if sy.source == "generate" else None
+    synthesize(selected, synthesis_target(cfg), ctx.work_dir, settings, trajectories, client, rollout_fn)
+
+
+def LLMAgentFor(cfg: DictConfig, temperature: float, adapter: str | None = None,  # noqa: N802
+                moe: str | None = None) -> Any:
+    from tracekit.agents import LLMAgent
+
+    return LLMAgent(client_for(cfg, "agent", adapter, moe), temperature=temperature, top_p=cfg.agent.top_p,
+                    max_new_tokens=cfg.agent.max_new_tokens)
+
+
+def synthesize_report(art: Artifact, ctx: StageContext) -> None:
+    man = read_json(art.path / "environments.json")
+    rows = ["| capability | status | environment | difficulty / reason |", "|---|---|---|---|"]
+    for e in man["environments"]:
+        rows.append(f"| {e['capability']} | {e['status']} | {e.get('env', e.get('kind', ''))} | "
+                    f"{e.get('difficulty') if e['status'] == 'ready' else e.get('reason', '')} |")
+    ctx.record.section("Synthetic environments", f"{man['ready']} ready, {man['skipped']} skipped "
+                       f"(source: {man['source']}, target: {man['target']}).\n\n" + "\n".join(rows))
+
+
+TRAIN_SEED_OFFSET = 100_000  # training instances never reuse the validation seeds 0..n
+
+
+def train_stage(ctx: StageContext) -> None:
+    """One GRPO adapter per ready environment, each its own cache entry (keyed on the env's content)."""
+    from tracekit.synthesis.stage import MANIFEST
+
+    cfg = ctx.cfg
+    syn = ctx.inputs["synthesize"]
+    man = read_json(syn.path / MANIFEST)
+    adapters = {}
+    for env in man["environments"]:
+        if env["status"] != "ready":
+            continue
+        pkg = syn.path / env["capability"]
+        art = train_adapter(ctx, env["capability"], pkg)
+        adapters[env["capability"]] = {"path": str(art.path), "key": art.key, "content_key": art.content_key}
+    if not adapters:
+        raise RuntimeError(f"train: no ready synthetic environment in {syn.path / MANIFEST} (every capability skipped)")
+    atomic_write_json(ctx.work_dir / "adapters.json", adapters)
+
+
+def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
+    from tracekit.rl.launch import Factory, TrainSpec, train
+    from tracekit.rl.settings import LauncherSettings
+
+    cfg = ctx.cfg
+    g = cfg.grpo
+    package = {f.name: f.read_text() for f in sorted(pkg.iterdir()) if f.suffix in (".json", ".py")}
+    key = stable_hash({"grpo": _plain(g), "backbone": backbone_dict(cfg), "env": package}, length=20)
+    n_seeds = g.groups * g.iterations
+
+    def compute(work: Path) -> None:
+        settings = OmegaConf.to_object(g).settings()
+        settings.save_rollouts = "full"  # successful rollouts (with tokens) are the MoE gate's data
+        spec = TrainSpec(
+            model=Factory("tracekit.llm.backbones:load_backbone",
+                          {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
+            env=Factory("tracekit.synthesis.stage:open_package",
+                        {"pkg_dir": str(pkg), "seeds": list(range(TRAIN_SEED_OFFSET, TRAIN_SEED_OFFSET + n_seeds))}),
+            out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format,
+            engine={"kind": g.engine, **_plain(g.vllm)})
+        launcher = LauncherSettings(**_plain(cfg.launcher))
+        logger = ctx.record.logger
+        train(spec, launcher, callbacks=[lambda row: logger.scalars({f"train/{capability}/{k}": v
+                                                                      for k, v in row.items()})])
+
+    t0 = time.time()
+    art = ctx.cache.get_or_compute("adapters", key, compute, meta={"capability": capability})
+    ctx.record.used(art, time.time() - t0)
+    return art
+
+
+def train_report(art: Artifact, ctx: StageContext) -> None:
+    import csv
+
+    rows = ["| capability | iterations | first reward | last reward | discarded groups (last) |", "|---|---|---|---|---|"]
+    for cap, a in read_json(art.path / "adapters.json").items():
+        metrics = list(csv.DictReader(open(Path(a["path"]) / "metrics.csv")))
+        first, last = metrics[0], metrics[-1]
+        rows.append(f"| {cap} | {len(metrics)} | {float(first['reward_mean']):.3f} | {float(last['reward_mean']):.3f} "
+                    f"| {float(last.get('discarded_frac', 'nan')):.2f} |")
+    ctx.record.section("GRPO adapters", "\n".join(rows))
+
+
+def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
+    """Token rows of a capability's GRPO rollouts (its own adapter in its own env) for gate training."""
+    from tracekit.artifacts import read_jsonl
+    from tracekit.moe.gate import GateExample
+    from tracekit.rl.tokens import Turn, build_rows
+    from tracekit.types import Trajectory
+
+    out = []
+    for f in sorted((adapter_dir / "rollouts").glob("iter_*.jsonl")):
+        for t in read_jsonl(f, Trajectory):
+            if successes_only and not t.success:
+                continue
+            for rec in build_rows([Turn.from_dict(x) for x in t.info["turns"]]):
+                out.append(GateExample(rec.token_ids, rec.loss_mask))
+    return out
+
+
+def compose_stage(ctx: StageContext) -> None:
+    from tracekit.llm.backbones import load_backbone
+    from tracekit.moe.gate import GateTrainConfig, mix_uniformly, train_gates, write_log_csv
+    from tracekit.moe.model import MoEConfig, build_lora_moe
+
+    cfg, m = ctx.cfg, ctx.cfg.moe
+    if cfg.consolidation.method != "moe":
+        raise NotImplementedError(f"consolidation.method={cfg.consolidation.method!r} is not built yet (built: moe)")
+    adapters = read_json(ctx.inputs["train"].path / "adapters.json")
+    groups = {cap: gate_examples(Path(a["path"]), m.gate_data == "successes") for cap, a in adapters.items()}
+    empty = [c for c, ex in groups.items() if not ex]
+    if empty:
+        raise RuntimeError(f"compose: no {m.gate_data} gate-training rollouts for {', '.join(empty)} "
+                           "(moe.gate_data=all trains the gate on every GRPO rollout)")
+    examples = mix_uniformly(groups, seed=ctx.seed, per_group=m.trajectories_per_capability)
+    backbone, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
+    model = build_lora_moe(backbone, {c: str(Path(a["path"]) / "adapter") for c, a in adapters.items()},
+                           MoEConfig(top_k=m.top_k, renormalize=m.renormalize, impl=m.impl, train_top_k=m.train_top_k,
+                                     include_base_slot=m.base_slot, gate_init_std=m.gate_init_std, seed=ctx.seed),
+                           backbone_spec={"tracekit_backbone": backbone_dict(cfg)})
+    log_rows = train_gates(model, examples, GateTrainConfig(
+        lambda_lb=m.lambda_lb, lr=m.lr, weight_decay=m.weight_decay, steps=m.steps, batch_size=m.batch_size,
+        max_grad_norm=m.max_grad_norm, ce_chunk=m.ce_chunk, seed=ctx.seed,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        gradient_checkpointing=m.gradient_checkpointing))
+    write_log_csv(log_rows, ctx.work_dir / "gate_log.csv")
+    for row in log_rows:
+        ctx.record.logger.scalars({f"moe/{k}": v for k, v in row.items()})
+    model.save(ctx.work_dir / "moe")
+    atomic_write_json(ctx.work_dir / "compose.json", {
+        "capabilities": list(adapters), "examples": len(examples),
+        "first": {k: log_rows[0][k] for k in ("loss", "ce", "lb")},
+        "last": {k: log_rows[-1][k] for k in ("loss", "ce", "lb")}, "parameters": model.parameter_counts()})
+
+
+def compose_report(art: Artifact, ctx: StageContext) -> None:
+    c = read_json(art.path / "compose.json")
+    ctx.record.section("LoRA mixture of experts", (
+        f"{len(c['capabilities'])} experts ({', '.join(c['capabilities'])}), {c['examples']} gate examples; "
+        f"loss {c['first']['loss']:.3f} -> {c['last']['loss']:.3f} (CE {c['first']['ce']:.3f} -> {c['last']['ce']:.3f}, "
+        f"LB {c['first']['lb']:.3f} -> {c['last']['lb']:.3f}).\n\nParameters: "
+        + ", ".join(f"{k}: {v:,}" for k, v in c["parameters"].items() if isinstance(v, int))))
+
+
+# --------------------------------------------------------------------------------------------
 # evaluation
 
 
@@ -255,15 +453,18 @@ def evaluate_stage(ctx: StageContext) -> None:
     results: dict[str, Any] = {}
     for method in ctx.cfg.eval.methods:
         if method == "base":
-            art = ctx.inputs["rollout"]
-            trajs = trajectories_of(art)
-        else:
-            raise NotImplementedError(f"eval.methods: {method!r} is not built yet (built: base)")
-        results[method] = summarize(trajs)
-    write_results(ctx.work_dir, {_LABELS.get(m, m): r for m, r in results.items()})
-
-
-_LABELS = {"base": "Base", "single_capability": "Single Capability GRPO", "trace": "TRACE"}
+            results["Base"] = summarize(trajectories_of(ctx.inputs["rollout"]))
+        elif method == "single_capability":  # every adapter alone; the table keeps the best (paper Table 1)
+            adapters = read_json(ctx.inputs["train"].path / "adapters.json")
+            scored = {}
+            for cap, a in adapters.items():
+                art = ctx.cache.lookup("adapters", a["key"])
+                scored[cap] = summarize(read_trajectories_dir(cached_rollout(ctx, f"single:{cap}", art, "adapter")))
+            best = max(scored, key=lambda c: (scored[c]["overall"]["pass_rate"], c))
+            results[f"Single Capability GRPO ({best})"] = scored[best]
+        elif method == "trace":
+            results["TRACE"] = summarize(read_trajectories_dir(cached_rollout(ctx, "trace", ctx.inputs["compose"], "moe")))
+    write_results(ctx.work_dir, results)
 
 
 def evaluate_report(art: Artifact, ctx: StageContext) -> None:
@@ -275,6 +476,11 @@ def evaluate_report(art: Artifact, ctx: StageContext) -> None:
     ctx.record.section("Evaluation", table)
     cols, rows = wandb_rows(results)
     ctx.record.logger.table("eval/results", cols, rows)
+
+
+def evaluate_inputs(cfg: DictConfig) -> tuple[str, ...]:
+    methods = set(cfg.eval.methods)
+    return ("rollout",) + (("train",) if "single_capability" in methods else ()) + (("compose",) if "trace" in methods else ())
 
 
 def build_pipeline() -> Pipeline:
@@ -294,6 +500,12 @@ def build_pipeline() -> Pipeline:
         Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
               compute=select_stage,
               report=select_report, identity_files=("selected_names.json",)),
-        Stage("evaluate", reads=("eval.methods",), inputs=("rollout",), compute=evaluate_stage,
+        Stage("synthesize", reads=("synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name"),
+              inputs=("select", "rollout"), compute=synthesize_stage, report=synthesize_report),
+        Stage("train", reads=("grpo", "backbone", "launcher.kind"), inputs=("synthesize",), compute=train_stage,
+              report=train_report),
+        Stage("compose", reads=("moe", "consolidation"), inputs=("train",), compute=compose_stage,
+              report=compose_report),
+        Stage("evaluate", reads=("eval.methods",), inputs=evaluate_inputs, compute=evaluate_stage,
               report=evaluate_report),
     ])

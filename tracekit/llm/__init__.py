@@ -5,7 +5,8 @@
 kind ``hf`` (in-process transformers model, :class:`~tracekit.llm.hf.HFChatClient`):
     backbone (str name or dict, see :func:`~tracekit.llm.backbones.get_spec`; required),
     device ("cpu"), dtype (null = the backbone's), cache_dir (null = $TRACEKIT_CACHE or ~/.cache/tracekit),
-    adapter (null or a peft adapter directory), chat_format (null = the backbone's),
+    adapter (null or a peft adapter directory), moe (null or a composed LoRA-MoE directory saved by
+    :meth:`tracekit.moe.model.LoRAMoEModel.save`), chat_format (null = the backbone's),
     max_batch_size (8), constrained_tool_calls (false), tool_choice ("auto" | "required"),
     stop_at_tool_call_end (true), seed (0), prefill_chunk (1024), max_context_tokens (null),
     max_whitespace (1), torch_threads (null).
@@ -92,7 +93,7 @@ def make_client(cfg: Mapping[str, Any] | Any) -> ChatClient:
 
 
 def _make_hf(cfg: dict[str, Any]) -> ChatClient:
-    model_keys = {"backbone", "device", "dtype", "cache_dir", "adapter", "chat_format"}
+    model_keys = {"backbone", "device", "dtype", "cache_dir", "adapter", "moe", "chat_format"}
     _check_keys("hf", cfg, _HF_KEYS | model_keys)
     if not cfg.get("backbone"):
         raise KeyError("llm client kind=hf: 'backbone' is required")
@@ -101,10 +102,16 @@ def _make_hf(cfg: dict[str, Any]) -> ChatClient:
 
     spec = get_spec(cfg["backbone"])
     model, tokenizer = load_backbone(spec, cfg.get("device") or "cpu", cfg.get("dtype"), cfg.get("cache_dir"))
+    if cfg.get("adapter") and cfg.get("moe"):
+        raise ValueError("llm client kind=hf: give 'adapter' (one peft adapter) or 'moe' (a composed model), not both")
     if cfg.get("adapter"):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, cfg["adapter"]).eval()
+    if cfg.get("moe"):
+        from tracekit.moe.model import LoRAMoEModel
+
+        model = LoRAMoEModel.load(cfg["moe"], backbone=model).eval()
     return HFChatClient(
         model,
         tokenizer,

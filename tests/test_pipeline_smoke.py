@@ -1,0 +1,43 @@
+"""The whole pipeline on the tiny model through the real CLI: runs, caches, and shares work across thresholds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
+           "WANDB_MODE": "offline"}
+    before = set((tmp_path / "outputs" / "runs").glob("*")) if (tmp_path / "outputs" / "runs").exists() else set()
+    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = set((tmp_path / "outputs" / "runs").glob("*")) - before
+    return out, json.loads((run_dir / "artifacts.json").read_text())
+
+
+def test_smoke_pipeline_runs_then_hits_the_cache(tmp_path):
+    first, used = _run(tmp_path)
+    for row in ("| Base |", "| Single Capability GRPO (", "| TRACE |"):
+        assert row in first.stdout
+    stages = {a["stage"] for a in used.values()}
+    assert {"rollout", "discover", "label", "select", "synthesize", "train", "adapters", "compose", "evaluate",
+            "episodes"} <= stages
+    assert not any(a["cache_hit"] for a in used.values())
+
+    _, again = _run(tmp_path)  # same config: everything is a cache hit
+    assert again.keys() == used.keys() and all(a["cache_hit"] for a in again.values())
+
+    # a threshold that keeps the same capabilities recomputes only `select`; everything after it is shared
+    # (the tiny model fails every task, so each capability's Delta is 0 or 1 and delta=0.3 keeps the set)
+    _, swept = _run(tmp_path, "thresholds.delta=0.3")
+    names = {p.read_text() for p in (tmp_path / "cache" / "select").glob("*/selected_names.json")}
+    assert len(names) == 1, "the precondition of this check: both thresholds select the same capabilities"
+    computed = {a["stage"] for a in swept.values() if not a["cache_hit"]}
+    assert computed == {"select"}, computed
