@@ -18,10 +18,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tracekit.artifacts import Artifact, StageCache, atomic_write_json
+from tracekit.artifacts import Artifact, StageCache, atomic_write_json, read_json
 from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
+
+USES = "uses.json"  # the sub-artifacts a stage artifact depends on
 
 
 def derive_seed(seed: int, *parts: Any) -> int:
@@ -63,6 +65,12 @@ class StageContext:
     seed: int
     cache: StageCache
     record: RunRecord
+    uses: list[Artifact] = field(default_factory=list)  # sub-artifacts this stage read or made
+
+    def use(self, art: Artifact, seconds: float) -> None:
+        """Record a sub-artifact (e.g. one adapter of ``train``) in the run and in this stage's artifact."""
+        self.uses.append(art)
+        self.record.used(art, seconds)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class Pipeline:
                 ctx.work_dir = work
                 log.info("stage %s: computing", stage.name)
                 stage.compute(ctx)
+                atomic_write_json(work / USES, [{"stage": a.stage, "key": a.key} for a in ctx.uses])
 
             art = cache.get_or_compute(
                 name, key, compute,
@@ -130,6 +139,11 @@ class Pipeline:
                 identity_files=stage.identity_files,
             )
             ctx.work_dir = art.path
+            if art.hit:  # a hit reads its sub-artifacts through it: record them too
+                for sub in read_json(art.path / USES):
+                    found = cache.lookup(sub["stage"], sub["key"])
+                    if found:
+                        record.used(found, 0.0)
             record.used(art, time.time() - t0)
             log.info("stage %s: %s (%s)", name, "cache hit" if art.hit else "computed", art.path)
             if stage.report:

@@ -147,7 +147,7 @@ def cached_rollout(ctx: StageContext, method: str, weights: Artifact | None = No
 
     t0 = time.time()
     art = ctx.cache.get_or_compute("episodes", key, compute, meta={"method": method})
-    ctx.record.used(art, time.time() - t0)
+    ctx.use(art, time.time() - t0)
     return art
 
 
@@ -366,7 +366,7 @@ def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
 
     t0 = time.time()
     art = ctx.cache.get_or_compute("adapters", key, compute, meta={"capability": capability})
-    ctx.record.used(art, time.time() - t0)
+    ctx.use(art, time.time() - t0)
     return art
 
 
