@@ -210,8 +210,11 @@ class SandboxWorker:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __del__(self) -> None:  # a forgotten worker must not outlive its owner
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
-            self.close()
+        try:
+            if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+                self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
 
 
 class SandboxBackend(EnvBackend):
