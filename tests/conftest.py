@@ -42,3 +42,14 @@ def make_cfg(tmp_path):
         return compose_config(list(overrides), tmp_path)
 
     return _make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models are latency-bound: torch's thread pool only adds overhead (and thrashes on 2 busy cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

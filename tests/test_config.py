@@ -23,13 +23,15 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_paper_defaults(make_cfg):
-    cfg = make_cfg()
+    cfg = make_cfg("~experiment")  # the groups' own values (the default experiment cuts CPU budgets)
     validate(cfg)
     assert (cfg.thresholds.delta, cfg.thresholds.rho, cfg.thresholds.k, cfg.thresholds.n) == (0.20, 0.10, 8, 10)
     assert cfg.grpo.lr == 1e-5 and cfg.grpo.iterations == 40 and cfg.grpo.temperature == 1.0
     assert cfg.moe.lambda_lb == 0.05 and cfg.moe.top_k == 1
     assert cfg.eval.temperature == 0.0 and list(cfg.eval.seeds) == [42]
     assert cfg.eval.max_steps == 50 and cfg.eval.context_budget == 32000
+    assert cfg.grpo.groups * cfg.grpo.group_size == 32  # 5,120 rollouts / (4 capabilities x 40 iterations)
+    assert make_cfg().name == "embedded"  # `python -m tracekit` runs the embedded default experiment
 
 
 @pytest.mark.parametrize("override,key", [

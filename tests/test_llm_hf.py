@@ -64,12 +64,6 @@ SCHEMA_TOOLS = [
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in SCHEMA_TOOLS}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: torch's thread pool only adds overhead (and thrashes on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
 

@@ -29,11 +29,6 @@ from tracekit.types import TokenRecord
 V, L = 32, 16
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
 

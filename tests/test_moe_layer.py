@@ -14,12 +14,6 @@ from tracekit.moe.layer import (
     topk_weights,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny matmuls on a busy 2-core machine are ~30x faster single-threaded
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
 

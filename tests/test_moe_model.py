@@ -13,11 +13,6 @@ from tracekit.moe.model import LoRAMoEModel, MoEConfig, build_lora_moe, load_bac
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
 

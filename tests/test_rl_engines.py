@@ -22,12 +22,6 @@ from tracekit.rl.engines import (
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.types import Message
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models are latency-bound: extra threads only add contention on small CI machines
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 

@@ -10,12 +10,6 @@ import torch
 from tracekit.rl.launch import Factory, LauncherSettings, TrainSpec, deepspeed_config, launch_command, train
 from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models are latency-bound: extra threads only add contention on small CI machines
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 

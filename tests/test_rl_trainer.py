@@ -18,11 +18,6 @@ from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer, LoraS
 from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
 from tracekit.types import Message, Task
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 

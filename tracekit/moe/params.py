@@ -23,23 +23,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# Qwen/Qwen3-30B-A3B config.json (public): the paper's backbone.
-QWEN3_30B_A3B: dict[str, Any] = {
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "tie_word_embeddings": False,
-}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 # what the official TRACE adapters adapt: attention + every expert's gate/up/down (18,624 pairs on 48 blocks)
@@ -47,9 +30,9 @@ OFFICIAL_TARGETS = ATTENTION + MLP
 
 
 def qwen3_30b_a3b_config() -> Any:
-    from transformers import Qwen3MoeConfig
+    from tracekit.llm.backbones import build_config
 
-    return Qwen3MoeConfig(**QWEN3_30B_A3B)
+    return build_config("qwen3_30b_a3b")  # the public config.json numbers (tracekit.llm.backbones)
 
 
 def meta_causal_lm(config: Any) -> nn.Module:

@@ -175,7 +175,7 @@ class SandboxWorker:
         except json.JSONDecodeError:
             raise SandboxError(f"malformed reply from the sandbox during {op}: {reply[:200]!r}") from None
         if msg.get("violations"):
-            raise SandboxError(f"sandbox rule broken during {op}: {'; '.join(msg['violations'][:3])}")
+            raise SandboxError(f"sandbox rule broken during {op}: {'; '.join(list(dict.fromkeys(msg['violations']))[:3])}")
         if not msg.get("ok"):
             if msg.get("kind") == "memory":
                 raise SandboxError(f"memory limit ({self.limits.memory_bytes >> 20} MiB) exceeded during {op}: "
