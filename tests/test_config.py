@@ -42,6 +42,8 @@ def test_paper_defaults(make_cfg):
     ("grpo.groups=0", "grpo.groups"),
     ("eval.context_budget=10", "eval.context_budget"),
     ("stages=[rollout,nope]", "stages"),
+    ("analysis.discovery=pinned", "analysis.dictionary_path"),
+    ("moe.impl=sparse", "moe.impl"),
 ])
 def test_out_of_range_values_fail_validation(make_cfg, override, key):
     cfg = make_cfg(override)

@@ -64,9 +64,6 @@ SCHEMA_TOOLS = [
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in SCHEMA_TOOLS}
 
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -29,9 +29,6 @@ from tracekit.types import TokenRecord
 V, L = 32, 16
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-    yield
-    torch.set_num_threads(prev)
-
 
 def test_load_balancing_loss_hand_computed():
     p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])

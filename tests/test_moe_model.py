@@ -13,9 +13,6 @@ from tracekit.moe.model import LoRAMoEModel, MoEConfig, build_lora_moe, load_bac
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
-    yield
-    torch.set_num_threads(prev)
-
 
 def _config(arch: str):
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -22,9 +22,6 @@ from tracekit.rl.engines import (
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.types import Message
 
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tok():

@@ -10,9 +10,6 @@ import torch
 from tracekit.rl.launch import Factory, LauncherSettings, TrainSpec, deepspeed_config, launch_command, train
 from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
 
-    yield
-    torch.set_num_threads(n)
-
 
 def _spec(out, **kw) -> TrainSpec:
     s = dict(

@@ -14,9 +14,6 @@ from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
 from tracekit.rl.trainer import build_peft_model, sequence_logprobs, LoraSettings
 
 
-    yield
-    torch.set_num_threads(n)
-
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()

@@ -18,9 +18,6 @@ from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer, LoraS
 from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
 from tracekit.types import Message, Task
 
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tok():

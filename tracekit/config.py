@@ -8,6 +8,7 @@ and raises :class:`ConfigError` with one line naming the key and its valid range
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -249,7 +250,9 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "analysis.labeler", ("reference", "llm"))
     _choice(cfg, "analysis.on_missing", ("skip", "fail"))
     if cfg.analysis.discovery == "pinned":
-        _check(bool(cfg.analysis.dictionary_path), "analysis.dictionary_path", None, "a file when discovery=pinned")
+        path = cfg.analysis.dictionary_path
+        _check(bool(path) and Path(path).expanduser().is_file(), "analysis.dictionary_path", path,
+               "an existing file when analysis.discovery=pinned")
     _check(0.0 <= cfg.analysis.label_noise <= 0.5, "analysis.label_noise", cfg.analysis.label_noise, "in [0, 0.5]")
     _choice(cfg, "synthesis.source", ("library", "generate"))
     for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings)):

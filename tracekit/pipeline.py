@@ -81,6 +81,7 @@ class Stage:
     compute: Callable[[StageContext], None]
     report: Callable[[Artifact, StageContext], None] | None = None  # runs on hits and misses alike
     identity_files: tuple[str, ...] = ()  # files defining the content key (default: the cache key)
+    key_extra: Callable[[DictConfig], Any] | None = None  # e.g. the contents of a file a config value names
     version: str = "1"  # bump when the stage's code changes what it writes
 
 
@@ -113,6 +114,7 @@ class Pipeline:
                  for k in stage.reads for v in [OmegaConf.select(cfg, k, throw_on_missing=True)]}
         return stable_hash(
             {"stage": stage.name, "version": stage.version, "reads": reads,
+             "extra": stage.key_extra(cfg) if stage.key_extra else None,
              "inputs": {n: a.content_key for n, a in sorted(inputs.items())}},
             length=20,
         )

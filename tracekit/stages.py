@@ -119,7 +119,7 @@ def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = N
 
     if cfg.agent.kind == "gold":
         return GoldAgent()
-    return LLMAgentFor(cfg, cfg.eval.temperature, adapter, moe)
+    return llm_agent(cfg, cfg.eval.temperature, adapter, moe)
 
 
 def cached_rollout(ctx: StageContext, method: str, weights: Artifact | None = None, kind: str = "adapter") -> Artifact:
@@ -198,6 +198,17 @@ def discover_stage(ctx: StageContext) -> None:
         min_capabilities=a.min_capabilities, max_capabilities=a.max_capabilities, max_attempts=a.max_retries + 1,
         max_new_tokens=a.max_new_tokens, seed=ctx.seed, compact=CompactConfig(max_chars=a.compact_chars),
         use_response_format=a.use_response_format, pinned=pinned), ctx.work_dir)
+
+
+def pinned_dictionary(cfg: DictConfig) -> str | None:
+    """The pinned dictionary's text: editing the file invalidates `discover` and what follows."""
+    a = cfg.analysis
+    if a.discovery != "pinned":
+        return None
+    path = Path(a.dictionary_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"analysis.dictionary_path={a.dictionary_path!r}: no such file")
+    return path.read_text(encoding="utf-8")
 
 
 def label_stage(ctx: StageContext) -> None:
@@ -291,7 +302,7 @@ def synthesize_stage(ctx: StageContext) -> None:
                           calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k))
     rollout_fn = None
     if sy.calibrate:  # calibrate against the current (base) policy, sampled as GRPO samples
-        agent = LLMAgentFor(cfg, temperature=cfg.grpo.temperature)
+        agent = llm_agent(cfg, temperature=cfg.grpo.temperature)
         rollout_fn = make_rollout_fn(agent, ctx.work_dir / "calibration_rollouts", max_steps=cfg.grpo.max_steps,
                                      batch_size=cfg.agent.batch_size, progress=False)
     trajectories = {t.uid: t for t in trajectories_of(ctx.inputs["rollout"])} if sy.source == "generate" else None
@@ -299,7 +310,7 @@ def synthesize_stage(ctx: StageContext) -> None:
     synthesize(selected, synthesis_target(cfg), ctx.work_dir, settings, trajectories, client, rollout_fn)
 
 
-def LLMAgentFor(cfg: DictConfig, temperature: float, adapter: str | None = None,  # noqa: N802
+def llm_agent(cfg: DictConfig, temperature: float, adapter: str | None = None,
                 moe: str | None = None) -> Any:
     from tracekit.agents import LLMAgent
 
@@ -490,7 +501,7 @@ def build_pipeline() -> Pipeline:
                                  "analysis.max_retries", "analysis.min_capabilities", "analysis.max_capabilities",
                                  "analysis.max_new_tokens", "analysis.compact_chars", "analysis.use_response_format",
                                  "llm.endpoints.analysis"),
-              inputs=("rollout",), compute=discover_stage),
+              inputs=("rollout",), compute=discover_stage, key_extra=pinned_dictionary),
         Stage("label", reads=("analysis.labeler", "analysis.label_noise", "analysis.temperature",
                               "analysis.capabilities_per_call", "analysis.max_retries", "analysis.on_missing",
                               "analysis.max_new_tokens", "analysis.chunk_size", "analysis.show_outcome",
