@@ -389,7 +389,7 @@ def train_report(art: Artifact, ctx: StageContext) -> None:
         metrics = list(csv.DictReader(open(Path(a["path"]) / "metrics.csv")))
         first, last = metrics[0], metrics[-1]
         rows.append(f"| {cap} | {len(metrics)} | {float(first['reward_mean']):.3f} | {float(last['reward_mean']):.3f} "
-                    f"| {float(last.get('discarded_frac', 'nan')):.2f} |")
+                    f"| {float(last['frac_groups_dropped']):.2f} |")
     ctx.record.section("GRPO adapters", "\n".join(rows))
 
 
