@@ -44,6 +44,7 @@ def test_paper_defaults(make_cfg):
     ("stages=[rollout,nope]", "stages"),
     ("analysis.discovery=pinned", "analysis.dictionary_path"),
     ("moe.impl=sparse", "moe.impl"),
+    ("consolidation.method=merge_ties", "consolidation.method"),
 ])
 def test_out_of_range_values_fail_validation(make_cfg, override, key):
     cfg = make_cfg(override)

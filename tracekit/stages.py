@@ -416,8 +416,6 @@ def compose_stage(ctx: StageContext) -> None:
     from tracekit.moe.model import MoEConfig, build_lora_moe
 
     cfg, m = ctx.cfg, ctx.cfg.moe
-    if cfg.consolidation.method != "moe":
-        raise NotImplementedError(f"consolidation.method={cfg.consolidation.method!r} is not built yet (built: moe)")
     adapters = read_json(ctx.inputs["train"].path / "adapters.json")
     groups = {cap: gate_examples(Path(a["path"]), m.gate_data == "successes") for cap, a in adapters.items()}
     empty = [c for c, ex in groups.items() if not ex]
