@@ -356,7 +356,8 @@ def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
 
     cfg = ctx.cfg
     g = cfg.grpo
-    package = {f.name: f.read_text() for f in sorted(pkg.iterdir()) if f.suffix in (".json", ".py")}
+    # what runs (env.json + generated source), not the reports beside it (they carry timings)
+    package = {f.name: f.read_text() for f in sorted(pkg.iterdir()) if f.name == "env.json" or f.suffix == ".py"}
     key = stable_hash({"grpo": _plain(g), "backbone": backbone_dict(cfg), "env": package}, length=20)
     n_seeds = g.groups * g.iterations
 
