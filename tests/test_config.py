@@ -77,3 +77,17 @@ def test_cli_help_and_cfg_job(tmp_path):
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
 def test_every_experiment_preset_composes_and_validates(make_cfg, preset):
     validate(make_cfg(f"experiment={preset}"))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf" / "backbone").glob("*.yaml")), ids=lambda p: p.stem)
+def test_backbone_configs_agree_with_the_registry(path):
+    """The yaml files carry the architecture numbers for readers; the registry must say the same."""
+    import yaml
+
+    from tracekit.llm.backbones import BACKBONES
+
+    y = yaml.safe_load(path.read_text())
+    reg = BACKBONES[y["name"]]
+    assert (y["source"], y["chat_format"]) == (reg.source, reg.chat_format)
+    assert y.get("hf_id") in (None, reg.hf_id)
+    assert {k: reg.arch.get(k) for k in y.get("arch") or {}} == (y.get("arch") or {})

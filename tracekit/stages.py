@@ -59,7 +59,7 @@ def dtype(cfg: DictConfig) -> str | None:
 
 
 def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str | None = None) -> Any:
-    """The chat client of an LLM role (``agent`` or a key of ``llm.endpoints``), built once.
+    """The chat client of an LLM role (``agent`` or a key of ``llm.endpoints``), built once per process.
 
     ``adapter``: a peft adapter directory; ``moe``: a composed LoRA-MoE directory (agent only).
     """
@@ -81,6 +81,8 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
                 "max_retries": ep["max_retries"], "max_concurrency": ep["concurrency"]}
         if key_env:
             spec["api_key_env"] = key_env
+    if adapter or moe:  # used for one rollout: not kept, so a run over many adapters holds one model at a time
+        return make_client(spec)
     key = stable_hash(spec)
     if key not in _CLIENTS:
         _CLIENTS[key] = make_client(spec)
@@ -469,6 +471,8 @@ def evaluate_stage(ctx: StageContext) -> None:
             scored = {}
             for cap, a in adapters.items():
                 art = ctx.cache.lookup("adapters", a["key"])
+                if art is None:  # never fall back to rolling out the base model under an adapter's name
+                    raise FileNotFoundError(f"adapter {cap}: cache entry adapters/{a['key']} is gone; re-run stage train")
                 scored[cap] = summarize(read_trajectories_dir(cached_rollout(ctx, f"single:{cap}", art, "adapter")))
             best = max(scored, key=lambda c: (scored[c]["overall"]["pass_rate"], c))
             results[f"Single Capability GRPO ({best})"] = scored[best]
