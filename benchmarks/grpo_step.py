@@ -1,36 +1,43 @@
 """Throughput of one GRPO iteration (rollout + update) on a random-init model (issues 6 and 9).
 
-Builds a random-init Qwen3 of the chosen shape (bf16 on GPU), adds the LoRA adapter the trainer
-uses (rank --lora-rank on q,k,v,o,gate,up,down) through :class:`GRPOTrainer`, and measures, in one
-run:
+Builds a random-init Qwen3 of each --arch shape (bf16 on GPU), adds the trainer's LoRA adapter
+(rank --lora-rank on q,k,v,o,gate,up,down, B drawn non-zero so the merge is not a no-op) through
+:class:`GRPOTrainer`, and measures in one run, for each architecture:
 
 - peaks: a bf16 (fp32 on CPU) matmul of --peak-n^3 and a device-to-device copy (HBM bandwidth);
-- rollout: ``sample_completions`` (the hf engine's sampler: KV cache, per-row stopping, log-probs
-  from the sampling logits) at each --rollout-batches, prompt --prompt-len, --gen-len new tokens
-  at T=1.0 with stopping disabled; tokens/s and % of the weight-read roofline
-  (batch x bandwidth / bytes of weights: every decode step must read all weights once);
-- update: ``GRPOTrainer.update_on`` (the trainer's own path: length-bucketed microbatches,
-  chunked lm_head log-probs of generated tokens only, eq. (2), backward, AdamW) on --update-batch
-  sequences of --update-len tokens whose last --completion-frac are generated; tokens/s, model
-  FLOPs utilization vs the measured matmul peak, peak memory; with and without gradient
-  checkpointing (--grad-ckpt). ``--plain`` adds the obvious path for comparison: full
-  ``model(...).logits`` ([tokens x vocab]) then log_softmax/gather, same loss and optimizer.
+- rollout, ``fast`` vs ``plain`` at each --rollout-batches: ``sample_completions`` with a
+  :class:`FastDecoder` (merged adapter, static KV cache, CUDA-graph decode steps) and with the peft
+  model itself (the transformers forward, unmerged LoRA). Prompt --prompt-len, T=1, stopping off.
+  ``decode tok/s`` = B x (new tokens - 1) / (total - prefill) where prefill is timed by a run
+  with one new token; ``% roofline`` = decode tok/s over B x bandwidth / bytes of weights (each
+  decode step must read every weight once; the KV cache read is reported as ``kv_bytes_per_step``
+  and not in that roofline). Greedy agreement of fast vs plain is recorded (bf16 tolerance).
+- update at --update-batch x --update-len tokens (last --completion-frac generated), each variant
+  from the same adapter and a fresh AdamW: ``plain`` = full ``model(...).logits`` then
+  log_softmax/gather, peft's float32 LoRA compute, no checkpointing (the baseline); the trainer's
+  ``update_on`` with chunked log-probs and the fused update kernels (``tracekit.rl.fused``: bf16
+  LoRA addmm, fused RMSNorm) with selective / full / no checkpointing; and the previous default
+  (chunked log-probs, peft's LoRA forward, full checkpointing).
+  tokens/s, MFU against the measured matmul peak, peak memory, loss and grad norm (equal within
+  bf16 tolerance across variants). A torch.profiler table of the selective variant's top kernels.
 
 Model FLOPs of the update (recompute not counted): per token 4 x N_body (forward + input-grad
-backward of frozen linears; no weight grads), per sequence 6 x layers x S^2 x d_q (causal
-attention forward + backward), per generated token 4 x H x V (lm_head forward + input grad), and
-LoRA 6 x r x (in + out) per adapted linear per token.
+backward of frozen linears; no weight grads), per sequence 6 x layers x S^2 x d_q (causal attention
+forward + backward), per generated token 4 x H x V (lm_head forward + input grad), and LoRA
+6 x r x (in + out) per adapted linear per token.
 
-    python benchmarks/grpo_step.py --device cuda --arch qwen3_1_7b --plain --out benchmarks/results/grpo_step_qwen3_1_7b_h200.json
-    python benchmarks/grpo_step.py --device cuda --arch qwen3_8b
-    python benchmarks/grpo_step.py --smoke        # tiny shape on CPU, seconds
+    python benchmarks/grpo_step.py --device cuda --arch qwen3_1_7b,qwen3_8b --profile --out 'benchmarks/results/grpo_step_{arch}_h200.json'
+    python benchmarks/grpo_step.py --plot benchmarks/results/grpo_step_qwen3_1_7b_h200.json,benchmarks/results/grpo_step_qwen3_8b_h200.json
+    python benchmarks/grpo_step.py --smoke        # tiny shape on CPU, about a minute
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -43,9 +50,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tracekit.artifacts import atomic_write_json  # noqa: E402
 from tracekit.rl import grpo  # noqa: E402
 from tracekit.rl.engines import sample_completions  # noqa: E402
-from tracekit.rl.tokens import collate, pack_microbatches, rows_for_trajectory, Turn  # noqa: E402
+from tracekit.rl.fast_decode import FastDecoder  # noqa: E402
+from tracekit.rl.fused import set_fused_update_kernels  # noqa: E402
+from tracekit.rl.tokens import Turn, collate, pack_microbatches, rows_for_trajectory  # noqa: E402
 from tracekit.rl.toy import KeywordSuite, tiny_tokenizer  # noqa: E402
-from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings, causal_lm, set_activation_checkpointing  # noqa: E402
+from tracekit.rl.trainer import (  # noqa: E402
+    GRPOSettings,
+    GRPOTrainer,
+    LocalBackend,
+    LoraSettings,
+    causal_lm,
+    set_activation_checkpointing,
+)
 from tracekit.types import Trajectory  # noqa: E402
 
 ARCHS = {
@@ -61,6 +77,14 @@ ARCHS = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (name, path, fused update kernels, checkpointing: off | full | selective)
+UPDATE_VARIANTS = [
+    ("plain", "plain", False, "off"),
+    ("fast_selective", "chunked", True, "selective"),
+    ("fast_full", "chunked", True, "full"),
+    ("fast_nockpt", "chunked", True, "off"),
+    ("old_chunked_full", "chunked", False, "full"),
+]
 
 
 def _sync(dev: torch.device) -> None:
@@ -69,7 +93,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def matmul_peak(dev: torch.device, dtype: torch.dtype, n: int, iters: int = 20) -> float:
-    """Measured dense matmul throughput (FLOP/s) for n x n x n in ``dtype``."""
+    """Measured dense matmul throughput (FLOP/s) for n x n x n in ``dtype`` (random operands)."""
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     for _ in range(3):
@@ -84,7 +108,7 @@ def matmul_peak(dev: torch.device, dtype: torch.dtype, n: int, iters: int = 20) 
 
 def copy_bandwidth(dev: torch.device, mib: int, iters: int = 10) -> float:
     """Measured memory bandwidth (bytes/s): read + write of a ``mib`` MiB buffer copy."""
-    a = torch.empty(mib * 2**20, dtype=torch.uint8, device=dev)
+    a = torch.randint(0, 255, (mib * 2**20,), dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     b.copy_(a)
     _sync(dev)
@@ -110,6 +134,7 @@ def lora_linear_dims(cfg) -> list[tuple[int, int]]:
 
 
 def update_flops(cfg, lengths: list[int], generated: int, rank: int) -> float:
+    """Model FLOPs of one update (see the module docstring); recompute not counted."""
     dq = cfg.num_attention_heads * cfg.head_dim
     tokens = sum(lengths)
     dense = 4 * body_params(cfg) * tokens
@@ -137,13 +162,14 @@ def fill_rollout_logprobs(tr: GRPOTrainer, trajs: list[Trajectory]) -> None:
         t.info["turns"][0]["completion_logprobs"] = lp.tolist()
 
 
-def plain_update(tr: GRPOTrainer, trajs: list[Trajectory]) -> None:
+def plain_update(tr: GRPOTrainer, trajs: list[Trajectory]) -> dict:
     """The obvious path: full [tokens x vocab] logits from model(...), then log_softmax + gather."""
     s = tr.s
     rows = [
         r for i, t in enumerate(trajs) for r in rows_for_trajectory([Turn.from_dict(d) for d in t.info["turns"]], t.info["advantage"], i)
     ]
     tr.model.train()
+    loss = 0.0
     for idx in pack_microbatches([len(r) for r in rows], s.microbatch_tokens):
         b = collate([rows[i] for i in idx], tr.pad_id)
         ids, attn = b.input_ids.to(tr.device), b.attention_mask.to(tr.device)
@@ -154,54 +180,155 @@ def plain_update(tr: GRPOTrainer, trajs: list[Trajectory]) -> None:
         w = grpo.trajectory_token_weights(b.loss_mask, b.traj_tokens, len(trajs))[:, 1:][sel].to(tr.device)
         adv = grpo.token_advantages(b.advantages, b.loss_mask)[:, 1:][sel].to(tr.device)
         old = b.rollout_logprobs[:, 1:][sel].to(tr.device)
-        grpo.grpo_loss(logp, old, adv, w, clip_eps=s.clip_eps).loss.backward()
-    tr.backend.step()
+        out = grpo.grpo_loss(logp, old, adv, w, clip_eps=s.clip_eps)
+        out.loss.backward()
+        loss += float(out.loss.detach())
+    norm = tr.backend.step()
     tr.model.eval()
+    return {"loss": loss, "grad_norm": norm}
 
 
-def timed(dev: torch.device, fn) -> tuple[float, float]:
-    """(seconds, peak GiB allocated during fn; nan on CPU)."""
+def timed(dev: torch.device, fn) -> tuple[float, float, object]:
+    """(seconds, peak GiB allocated during fn (nan on CPU), fn's result)."""
     if dev.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     _sync(dev)
     t = time.perf_counter()
-    fn()
+    out = fn()
     _sync(dev)
     sec = time.perf_counter() - t
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
-    return sec, mem
+    return sec, mem, out
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen3_1_7b", choices=sorted(ARCHS))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument("--rollout-batches", default="1,64")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--update-batch", type=int, default=4)
-    ap.add_argument("--update-len", type=int, default=4096)
-    ap.add_argument("--completion-frac", type=float, default=0.5)
-    ap.add_argument("--microbatch-tokens", type=int, default=16384)
-    ap.add_argument("--logprob-chunk", type=int, default=1024)
-    ap.add_argument("--grad-ckpt", default="both", choices=("on", "off", "both"))
-    ap.add_argument("--plain", action="store_true", help="also time the full-logits update path")
-    ap.add_argument("--peak-n", type=int, default=8192)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU with small sizes")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.arch, args.device, args.rollout_batches = "tiny", "cpu", "1,4"
-        args.prompt_len, args.gen_len, args.update_batch, args.update_len = 32, 16, 4, 128
-        args.microbatch_tokens, args.peak_n, args.lora_rank, args.plain = 256, 256, 8, True
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
+
+def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, weight_bytes: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    decoders = {f"fast_{a}": FastDecoder(tr.model, attention=a) for a in args.decode_attention.split(",")}
+    res["rollout"] = []
+    for B in [int(x) for x in args.rollout_batches.split(",")]:
+        prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
+        roof = B * res["copy_bandwidth_gbs"] * 1e9 / weight_bytes
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+        for path, engine, gen_len in [*((n, d, args.gen_len) for n, d in decoders.items()), ("plain", tr.model, args.plain_gen_len)]:
+
+            def run(n, engine=engine, prompts=prompts):
+                return sample_completions(engine, prompts, max_new_tokens=n, temperature=1.0, seed=0)
+
+            run(gen_len if path != "plain" else 4)  # warm-up: kernels; the fast path captures every span bucket
+            pre, _, _ = timed(dev, lambda: run(1))
+            tot, mem, _ = timed(dev, lambda: run(gen_len))
+            dec_tps = B * (gen_len - 1) / max(tot - pre, 1e-9)
+            res["rollout"].append({
+                "path": path, "batch": B, "new_tokens": gen_len, "seconds": tot, "prefill_seconds": pre,
+                "tokens_per_s": B * gen_len / tot, "decode_tokens_per_s": dec_tps, "roofline_tokens_per_s": roof,
+                "pct_roofline": 100 * dec_tps / roof, "peak_gib": mem,
+                "kv_bytes_per_step_end": B * (args.prompt_len + gen_len) * kv_per_token,
+            })  # fmt: skip
+        rows = res["rollout"][-len(decoders) - 1 :]
+        plain = rows[-1]
+        for r in rows[:-1]:
+            r["speedup_vs_plain"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        best = max(rows[:-1], key=lambda r: r["decode_tokens_per_s"])
+        dec = decoders[best["path"]]
+        if args.profile and dev.type == "cuda":  # kernels of 16 fast decode steps (prefill included)
+            best["profile_top_kernels"] = profile_kernels(
+                lambda: sample_completions(dec, prompts, max_new_tokens=16, temperature=1.0, seed=0), top=10
+            )
+        n = min(16, args.plain_gen_len)
+        b = sample_completions(tr.model, prompts[:4], max_new_tokens=n, temperature=0.0)
+        for r in rows[:-1]:
+            a = sample_completions(decoders[r["path"]], prompts[:4], max_new_tokens=n, temperature=0.0)
+            agree = [next((i for i, (x, y) in enumerate(zip(p.ids, q.ids)) if x != y), n) for p, q in zip(a, b)]
+            diffs = [abs(x - y) for p, q, k in zip(a, b, agree) for x, y in zip(p.logprobs[:k], q.logprobs[:k])]
+            r["greedy_check"] = {"tokens": n, "agreeing_prefix": agree, "max_abs_logprob_diff_on_agreeing": max(diffs, default=0.0)}
+    del decoders, dec
+    _free(dev)
+
+
+def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device) -> None:
+    from peft import set_peft_model_state_dict
+
+    gen = max(1, int(args.update_len * args.completion_frac))
+    lengths = [args.update_len] * args.update_batch
+    flops = update_flops(cfg, lengths, gen * args.update_batch, args.lora_rank)
+    res["update_flops"] = flops
+    res["update"] = []
+    lm = causal_lm(tr.model)
+    init = tr.adapter_state()
+    warm = synthetic_batch(1, min(args.update_len, 256), min(gen, 128), cfg.vocab_size, seed=2)
+    batch = synthetic_batch(args.update_batch, args.update_len, gen, cfg.vocab_size, seed=3)
+    set_activation_checkpointing(lm, False)
+    fill_rollout_logprobs(tr, warm)
+    fill_rollout_logprobs(tr, batch)
+    names = args.update_variants.split(",") if args.update_variants else [v[0] for v in UPDATE_VARIANTS]
+    for name, path, lowp, ckpt in [v for v in UPDATE_VARIANTS if v[0] in names]:
+        set_activation_checkpointing(lm, ckpt != "off", "full" if ckpt == "off" else ckpt)
+        set_fused_update_kernels(lm, lowp)
+
+        def step(b, path=path):
+            return plain_update(tr, b) if path == "plain" else tr.update_on(b, 0)
+
+        row = {"variant": name, "path": path, "fused_update_kernels": lowp, "checkpointing": ckpt}
+        try:
+            step(warm)
+            secs, mems, outs = [], [], []
+            for _ in range(args.update_repeats):
+                set_peft_model_state_dict(tr.model, init)  # every timed step starts from the same adapter
+                tr.backend = LocalBackend(tr.model, tr.s)
+                _free(dev)
+                sec, mem, out = timed(dev, lambda: step(batch))
+                secs.append(sec)
+                mems.append(mem)
+                outs.append(out)
+        except torch.cuda.OutOfMemoryError:
+            res["update"].append({**row, "error": "out of memory"})
+            tr.backend.opt.zero_grad(set_to_none=True)
+            _free(dev)
+            continue
+        sec = statistics.median(secs)
+        row.update({
+            "seconds": sec, "seconds_all": secs, "tokens_per_s": sum(lengths) / sec,
+            "mfu_pct": 100 * flops / sec / (res["matmul_peak_tflops"] * 1e12), "peak_gib": max(mems),
+            "loss": outs[0]["loss"], "grad_norm": outs[0]["grad_norm"],
+        })  # fmt: skip
+        res["update"].append(row)
+        if name == "fast_selective" and args.profile and dev.type == "cuda":
+            row["profile_top_kernels"] = profile_kernels(lambda: step(batch))
+    set_peft_model_state_dict(tr.model, init)
+    base = next((r for r in res["update"] if r["variant"] == "plain" and "error" not in r), None)
+    for r in res["update"]:
+        if base is not None and "error" not in r:
+            r["speedup_vs_plain"] = base["seconds"] / r["seconds"]
+            r["memory_ratio_plain_over_this"] = base["peak_gib"] / r["peak_gib"]
+
+
+def profile_kernels(fn, top: int = 15) -> list[dict]:
+    """CUDA kernels of one call of ``fn``, grouped by name, largest total time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]  # kernels (ops' self time is 0)
+    total = sum(e.self_device_time_total for e in rows)
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return [
+        {"name": e.key[:90], "ms": e.self_device_time_total / 1e3, "pct": 100 * e.self_device_time_total / total, "calls": e.count}
+        for e in rows[:top]
+    ] + [{"name": "TOTAL", "ms": total / 1e3, "pct": 100.0, "calls": sum(e.count for e in rows)}]
+
+
+def bench_arch(arch: str, args, dev: torch.device, peaks: dict) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = Qwen3Config(**ARCHS[args.arch], max_position_embeddings=max(40960, args.update_len + 8))
+    cfg = Qwen3Config(**ARCHS[arch], max_position_embeddings=max(40960, args.update_len + 8))
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -209,16 +336,12 @@ def main(argv: list[str] | None = None) -> dict:
         model = Qwen3ForCausalLM(cfg)
     torch.set_default_dtype(default)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
     res: dict = {
-        "arch": args.arch, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "arch": arch, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "lora_rank": args.lora_rank,
-        "params": sum(p.numel() for p in model.parameters()),
-        "command": " ".join(["python", "benchmarks/grpo_step.py", *(argv or sys.argv[1:])]),
+        "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
+        "command": " ".join(["python", "benchmarks/grpo_step.py", *sys.argv[1:]]), **peaks,
     }  # fmt: skip
-    res["matmul_peak_tflops"] = matmul_peak(dev, dtype, args.peak_n) / 1e12
-    res["copy_bandwidth_gbs"] = copy_bandwidth(dev, 2048 if dev.type == "cuda" else 64) / 1e9
-
     tok = tiny_tokenizer()  # only its pad/stop ids are used: prompts and batches are random ids
     settings = GRPOSettings(
         lora=LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank, target_modules=TARGETS),
@@ -227,80 +350,163 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         tr = GRPOTrainer(model, tok, KeywordSuite(), settings, tmp, device=dev)
+        tr.engine = None  # the benchmark builds its own decoders
+        _free(dev)
+        with torch.no_grad():  # a trained-looking adapter: B != 0, so merging changes the weights
+            gen = torch.Generator(device="cpu").manual_seed(5)
+            for n, p in tr.model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen).to(p) * 1e-3)
         res["lora_params"] = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
-
-        # ---- rollout ----
-        g = torch.Generator().manual_seed(1)
-        res["rollout"] = []
-        for B in [int(x) for x in args.rollout_batches.split(",")]:
-            prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
-            sample_completions(tr.model, prompts, max_new_tokens=4, temperature=1.0, seed=0)  # warm-up
-            sec, mem = timed(dev, lambda: sample_completions(tr.model, prompts, max_new_tokens=args.gen_len, temperature=1.0, seed=0))
-            tps = B * args.gen_len / sec
-            roof = B * res["copy_bandwidth_gbs"] * 1e9 / weight_bytes
-            res["rollout"].append({
-                "batch": B, "tokens_per_s": tps, "roofline_tokens_per_s": roof, "pct_roofline": 100 * tps / roof,
-                "peak_gib": mem, "seconds": sec,
-            })  # fmt: skip
-
-        # ---- update ----
-        gen = max(1, int(args.update_len * args.completion_frac))
-        lengths = [args.update_len] * args.update_batch
-        flops = update_flops(cfg, lengths, gen * args.update_batch, args.lora_rank)
-        res["update"] = []
-        modes = {"on": [True], "off": [False], "both": [False, True]}[args.grad_ckpt]
-        variants = [("chunked", ck) for ck in modes] + ([("plain", ck) for ck in modes] if args.plain else [])
-        lm = causal_lm(tr.model)
-        for kind, ck in variants:
-            set_activation_checkpointing(lm, ck)
-            warm = synthetic_batch(1, min(args.update_len, 256), min(gen, 128), cfg.vocab_size, seed=2)
-            fill_rollout_logprobs(tr, warm)
-            tr.update_on(warm, 0)
-            batch = synthetic_batch(args.update_batch, args.update_len, gen, cfg.vocab_size, seed=3)
-            fill_rollout_logprobs(tr, batch)
-            try:
-                sec, mem = timed(dev, (lambda: tr.update_on(batch, 0)) if kind == "chunked" else (lambda: plain_update(tr, batch)))
-            except torch.cuda.OutOfMemoryError:
-                res["update"].append({"path": kind, "grad_ckpt": ck, "error": "out of memory"})
-                tr.backend.opt.zero_grad(set_to_none=True)
-                continue
-            res["update"].append({
-                "path": kind, "grad_ckpt": ck, "tokens_per_s": sum(lengths) / sec,
-                "mfu_pct": 100 * flops / sec / (res["matmul_peak_tflops"] * 1e12), "peak_gib": mem, "seconds": sec,
-            })  # fmt: skip
-    _print(res)
-    if args.out:
-        atomic_write_json(args.out, res)
+        if args.rollout_batches:
+            bench_rollout(tr, cfg, args, res, dev, weight_bytes)
+        if args.update_batch > 0:
+            bench_update(tr, cfg, args, res, dev)
+        del tr
+    del model
+    _free(dev)
     return res
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen3_1_7b", help=f"comma list of {sorted(ARCHS)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--rollout-batches", default="1,64", help="comma list; empty: no rollout")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=128, help="new tokens of the fast path")
+    ap.add_argument("--plain-gen-len", type=int, default=48, help="new tokens of the plain path (slow)")
+    ap.add_argument("--decode-attention", default="sdpa,bmm", help="FastDecoder attention impls to time (comma list)")
+    ap.add_argument("--update-batch", type=int, default=4, help="0: no update")
+    ap.add_argument("--update-len", type=int, default=4096)
+    ap.add_argument("--completion-frac", type=float, default=0.5)
+    ap.add_argument("--update-repeats", type=int, default=2)
+    ap.add_argument("--update-variants", default="", help=f"comma list of {[v[0] for v in UPDATE_VARIANTS]} (default all)")
+    ap.add_argument("--microbatch-tokens", type=int, default=16384)
+    ap.add_argument("--logprob-chunk", type=int, default=4096)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of the selective variant (CUDA)")
+    ap.add_argument("--peak-n", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="JSON path per arch; '{arch}' is replaced")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU with small sizes")
+    ap.add_argument("--plot", default=None, help="comma list of result JSONs: draw the bar charts to --plot-out and exit")
+    ap.add_argument("--plot-out", default="benchmarks/results/grpo_step_ratios_h200.png")
+    args = ap.parse_args(argv)
+    if args.plot:
+        plot(args.plot.split(","), args.plot_out)
+        return []
+    if args.smoke:
+        args.arch, args.device, args.rollout_batches = "tiny", "cpu", "1,4"
+        args.prompt_len, args.gen_len, args.plain_gen_len, args.update_batch, args.update_len = 32, 16, 8, 4, 128
+        args.microbatch_tokens, args.peak_n, args.lora_rank, args.logprob_chunk = 256, 256, 8, 64
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 parts stay fp32
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    peaks = {
+        "matmul_peak_tflops": matmul_peak(dev, dtype, args.peak_n) / 1e12,
+        "copy_bandwidth_gbs": copy_bandwidth(dev, 2048 if dev.type == "cuda" else 64) / 1e9,
+    }
+    results = []
+    for arch in args.arch.split(","):
+        if arch not in ARCHS:
+            raise SystemExit(f"unknown --arch {arch!r}: one of {sorted(ARCHS)}")
+        res = bench_arch(arch, args, dev, peaks)
+        _print(res)
+        if args.out:
+            atomic_write_json(args.out.replace("{arch}", arch), res)
+        results.append(res)
+    return results
 
 
 def _print(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    c = Console()
+    c = Console(width=160)
     c.print(
         f"[bold]{res['arch']}[/] on {res['device']} ({res['dtype']}), {res['params'] / 1e9:.3f}B params, "
         f"LoRA r={res['lora_rank']} ({res['lora_params'] / 1e6:.1f}M trainable); matmul peak "
         f"{res['matmul_peak_tflops']:.1f} TFLOP/s, copy bandwidth {res['copy_bandwidth_gbs']:.0f} GB/s"
     )
-    t = Table(title="rollout (decode)")
-    for col in ("batch", "tokens/s", "roofline tokens/s", "% roofline", "peak GiB"):
-        t.add_column(col, justify="right")
-    for r in res["rollout"]:
-        t.add_row(
-            str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['roofline_tokens_per_s']:.0f}", f"{r['pct_roofline']:.2f}", _gib(r["peak_gib"])
-        )
-    c.print(t)
-    u = Table(title="update (forward + backward + AdamW)")
-    for col in ("path", "grad ckpt", "tokens/s", "MFU %", "peak GiB"):
-        u.add_column(col, justify="right")
-    for r in res["update"]:
-        if "error" in r:
-            u.add_row(r["path"], str(r["grad_ckpt"]), r["error"], "", "")
-        else:
-            u.add_row(r["path"], str(r["grad_ckpt"]), f"{r['tokens_per_s']:.0f}", f"{r['mfu_pct']:.1f}", _gib(r["peak_gib"]))
-    c.print(u)
+    if res.get("rollout"):
+        t = Table(title="rollout")
+        for col in ("path", "batch", "e2e tok/s", "decode tok/s", "roofline tok/s", "% roofline", "fast/plain", "prefill s", "peak GiB"):
+            t.add_column(col, justify="right")
+        for r in res["rollout"]:
+            sp = f"{r['speedup_vs_plain']:.1f}x" if "speedup_vs_plain" in r else ""  # fast rows only
+            t.add_row(
+                r["path"], str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['decode_tokens_per_s']:.0f}",
+                f"{r['roofline_tokens_per_s']:.0f}", f"{r['pct_roofline']:.2f}", sp, f"{r['prefill_seconds']:.3f}", _gib(r["peak_gib"]),
+            )  # fmt: skip
+        c.print(t)
+        for r in res["rollout"]:
+            if "greedy_check" in r:
+                c.print(f"greedy {r['path']} vs plain, batch {r['batch']}: {r['greedy_check']}")
+            for k in r.get("profile_top_kernels", []):
+                c.print(f"  b{r['batch']} {k['pct']:5.1f}% {k['ms']:8.2f} ms {k['calls']:6d}  {k['name']}")
+    if res.get("update"):
+        u = Table(title="update (forward + backward + AdamW)")
+        for col in ("variant", "tokens/s", "MFU %", "peak GiB", "speed vs plain", "memory plain/this", "loss", "grad norm"):
+            u.add_column(col, justify="right")
+        for r in res["update"]:
+            if "error" in r:
+                u.add_row(r["variant"], r["error"], "", "", "", "", "", "")
+                continue
+            u.add_row(
+                r["variant"], f"{r['tokens_per_s']:.0f}", f"{r['mfu_pct']:.1f}", _gib(r["peak_gib"]),
+                f"{r.get('speedup_vs_plain', float('nan')):.2f}x", f"{r.get('memory_ratio_plain_over_this', float('nan')):.2f}x",
+                f"{r['loss']:.6f}", f"{r['grad_norm']:.6f}",
+            )  # fmt: skip
+        c.print(u)
+        for r in res["update"]:
+            for k in r.get("profile_top_kernels", []):
+                c.print(f"  {k['pct']:5.1f}% {k['ms']:8.2f} ms {k['calls']:6d}  {k['name']}")
+
+
+def plot(paths: list[str], out: str) -> None:
+    """Bar charts from result JSONs: rollout speedup fast/plain, update MFU and peak memory by variant."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    labels, vals = [], []
+    for r in runs:
+        for x in r["rollout"]:
+            if "speedup_vs_plain" in x:
+                labels.append(f"{r['arch'].replace('qwen3_', '')} {x['path'].replace('fast_', '')} b{x['batch']}")
+                vals.append(x["speedup_vs_plain"])
+    axes[0].bar(range(len(vals)), vals, color="tab:blue")
+    axes[0].set_xticks(range(len(vals)), labels, fontsize=7, rotation=30)
+    axes[0].set_ylabel("decode tokens/s, fast / plain peft")
+    axes[0].set_title("rollout speedup")
+    for i, v in enumerate(vals):
+        axes[0].text(i, v, f"{v:.1f}x", ha="center", va="bottom", fontsize=7)
+    names = [v[0] for v in UPDATE_VARIANTS]
+    width = 0.8 / len(runs)
+    for j, r in enumerate(runs):
+        rows = {x["variant"]: x for x in r["update"]}
+        mfu = [rows[n].get("mfu_pct", 0.0) if n in rows else 0.0 for n in names]
+        mem = [rows[n].get("peak_gib", 0.0) if n in rows else 0.0 for n in names]
+        xs = [i + j * width for i in range(len(names))]
+        axes[1].bar(xs, mfu, width, label=r["arch"])
+        axes[2].bar(xs, mem, width, label=r["arch"])
+        for x, m, n in zip(xs, mfu, names):
+            if "error" in rows.get(n, {}):
+                axes[1].text(x, 0.5, "OOM", ha="center", rotation=90, fontsize=7)
+    for ax, title in ((axes[1], "update MFU % (vs measured bf16 peak)"), (axes[2], "update peak GiB")):
+        ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(names))], names, rotation=20, fontsize=7)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    axes[1].axhline(40, color="grey", ls="--", lw=0.8)
+    fig.suptitle(f"GRPO step on {runs[0]['device']} (random-init Qwen3 shapes, LoRA r={runs[0]['lora_rank']}, 16k-token update)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def _gib(x: float) -> str:

@@ -4,9 +4,10 @@ Compares, on one random-init backbone (Qwen3-1.7B shape by default, bf16 on GPU)
   backbone          the plain model
   peft_1            the backbone with one unmerged peft LoRA adapter (PeftModel with peft's defaults:
                     autocast_adapter_dtype keeps the LoRA factors in fp32 on a bf16 backbone)
-  moe_grouped       the composed model: 4 adapters, per-block gates, top-1, tokens grouped by expert
-                    (the library default; host reads group sizes once per block)
-  moe_grouped_mm    the same grouping with torch._grouped_mm and device-side offsets (no host sync)
+  moe_grouped       the composed model: 4 adapters, per-block gates, top-1, pairs sorted by expert on
+                    the device once per block (the library default; on CUDA bf16 it runs the same
+                    torch._grouped_mm backend as moe_grouped_mm, elsewhere a loop over experts)
+  moe_grouped_mm    gather, torch._grouped_mm x2 with device-side offsets, index_add_ (no host sync)
   moe_masked_dense  every expert computed, non-chosen weights zeroed (reference)
 for prefill (one forward over batch x seq tokens, last-position logits only, as generate's prefill)
 and decode (per-step time of single-token forwards on a KV cache). Adapters: rank --rank on all
@@ -18,6 +19,8 @@ Target (issue 7): moe <= 1.15 x peft_1.
 
     python benchmarks/moe_overhead.py --device cuda --out benchmarks/results/moe_overhead_h200.json
     python benchmarks/moe_overhead.py --smoke          # tiny model on CPU, seconds
+    python benchmarks/moe_overhead.py --replot benchmarks/results/moe_overhead_h200.json \
+        --plot benchmarks/results/moe_overhead_h200.png  # the figure from a results file
 """
 
 from __future__ import annotations
@@ -108,6 +111,31 @@ def time_decode(model, prompt: torch.Tensor, steps: int, kw: str, device: str) -
     return (time.perf_counter() - t) / steps
 
 
+def plot(result: dict, path: str) -> None:
+    """Bar chart of each variant's time / peft_1 per measured row, with the 1.15 target line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = ["backbone", *(f"moe_{i}" for i in MOE_IMPLS)]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [r.get(f"{name}/peft_1") or 0.0 for r in rows], width, label=name)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.15, color="red", ls="--", lw=1, label="target 1.15")
+    ax.set_xticks(range(len(rows)), [f"{r['phase']}\n{r['batch']}x{r['seq']}" for r in rows])
+    ax.set_ylabel("forward time / peft_1")
+    ax.set_title(f"LoRA-MoE overhead, {result['device']}, {result['adapters']} adapters r={result['rank']}, top-1")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (float32)")
@@ -124,7 +152,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--plot", default=None, help="write a PNG of the ratios to peft_1 here")
+    ap.add_argument("--replot", default=None, help="only draw --plot from this results JSON")
     args = ap.parse_args()
+    if args.replot:
+        if not args.plot:
+            ap.error("--replot needs --plot")
+        from tracekit.artifacts import read_json
+
+        plot(read_json(args.replot), args.plot)
+        return
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     device = "cpu" if args.smoke else args.device
@@ -225,28 +262,24 @@ def main() -> None:
             print(f"{r['phase']} {r['batch']}: {name} failed: {err}")
     usage = {f"{r['batch']}x{r['seq']}": r["usage"] for r in rows if "usage" in r}
     print("prefill expert usage (block 0, top-1 share per adapter):", usage)
-    if args.out:
-        import peft
-        import transformers
+    import peft
+    import transformers
 
-        atomic_write_json(
-            args.out,
-            {
-                "command": " ".join(sys.argv),
-                "device": dev_name,
-                "dtype": str(dtype),
-                "versions": {
-                    "torch": torch.__version__,
-                    "transformers": transformers.__version__,
-                    "peft": peft.__version__,
-                },
-                "shape": shape,
-                "adapters": args.adapters,
-                "rank": args.rank,
-                "rows": rows,
-            },
-        )
+    result = {
+        "command": " ".join(sys.argv),
+        "device": dev_name,
+        "dtype": str(dtype),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+        "shape": shape,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "rows": rows,
+    }
+    if args.out:
+        atomic_write_json(args.out, result)
         print(f"wrote {args.out}")
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,12 @@ import torch
 from tracekit.moe.layer import RoutingSpec
 from tracekit.moe.model import MoEConfig, build_lora_moe
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -40,14 +38,28 @@ def composed(tmp_path_factory):
 
 def test_top1_implementations_agree(composed):
     _, _, moe = composed
-    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     out = {}
-    for impl in ("grouped", "grouped_mm", "masked_dense"):
-        with torch.no_grad(), moe.routing(RoutingSpec(1, impl=impl)):
-            out[impl] = moe(input_ids=ids).logits.float()
-    assert len(moe.gate_probs()[0].argmax(-1).unique()) == 3
-    for impl in ("grouped", "grouped_mm"):
-        assert (out[impl] - out["masked_dense"]).abs().max() < 0.05, impl  # bf16 rounding of the sums
+    for shape in ((4, 64), (4, 8)):
+        ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0)).cuda()
+        for impl in ("grouped", "grouped_mm", "masked_dense"):
+            with torch.no_grad(), moe.routing(RoutingSpec(1, impl=impl)):
+                out[impl] = moe(input_ids=ids).logits.float()
+        assert len(moe.gate_probs()[0].argmax(-1).unique()) == 3
+        for impl in ("grouped", "grouped_mm"):
+            assert (out[impl] - out["masked_dense"]).abs().max() < 0.05, (shape, impl)  # bf16 rounding of the sums
+
+
+def test_grouped_top1_gate_gradients_match_masked_dense(composed):
+    _, _, moe = composed
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2)).cuda()
+    grads = {}
+    for impl in ("grouped", "masked_dense"):
+        moe.zero_grad()
+        with moe.routing(RoutingSpec(1, impl=impl)):
+            moe(input_ids=ids).logits.float().square().mean().backward()
+        grads[impl] = moe.gates["0"].weight.grad.clone()
+    assert grads["grouped"].abs().sum() > 0
+    assert (grads["grouped"] - grads["masked_dense"]).norm() < 0.05 * grads["masked_dense"].norm()
 
 
 def test_one_hot_gate_matches_peft(composed):
@@ -64,6 +76,6 @@ def test_one_hot_gate_matches_peft(composed):
             g.bias.zero_()
             g.bias[1] = 100.0
         want = ref(input_ids=ids).logits.float()
-        for impl in ("grouped", "grouped_mm"):
+        for impl in ("grouped", "grouped_mm", "masked_dense"):
             with moe.routing(RoutingSpec(1, impl=impl)):
                 assert (moe(input_ids=ids).logits.float() - want).abs().max() < 0.05, impl

@@ -28,8 +28,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class BenchmarkConfig:
-    name: str = MISSING  # tau2_airline | tau2_retail | tau2 | ...
-    kind: str = "tau2"  # adapter family
+    name: str = MISSING  # tau2_airline | tau2_retail | tau2 | tau2_mini | ...
+    kind: str = "tau2"  # adapter family: tau2 (the real benchmark) | synthetic (library environments' held-out seeds)
     domains: list[str] = field(default_factory=list)
     split: str = "test"  # train | test | base (tau2's split_tasks.json)
     task_ids: list[str] | None = None  # explicit subset (ids as the benchmark names them)
@@ -37,6 +37,8 @@ class BenchmarkConfig:
     policy: str = "full"  # full: tau2's own policy text
     max_errors: int = 10  # tau2: end the episode after this many error tool results
     agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
+    envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
+    difficulty: int = 0  # kind=synthetic: the environments' difficulty level
 
 
 @dataclass
@@ -55,7 +57,9 @@ class AgentConfig:
     kind: str = "llm"  # llm | gold
     max_new_tokens: int = 256
     top_p: float = 1.0
-    constrained_tool_calls: bool = False
+    constrained_tool_calls: bool = False  # xgrammar: every tool call the model starts is schema-valid
+    tool_choice: str = "auto"  # auto (text or a call) | required (every turn a call; needs constrained_tool_calls)
+    copy_ids: bool = False  # narrow id arguments to ids seen in the conversation (needs constrained_tool_calls)
     batch_size: int = 8
 
 
@@ -245,6 +249,11 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "benchmark.split", ("train", "test", "base"))
     _choice(cfg, "backbone.source", ("random", "gguf", "hub"))
     _choice(cfg, "agent.kind", ("llm", "gold"))
+    _choice(cfg, "agent.tool_choice", ("auto", "required"))
+    for key in ("tool_choice", "copy_ids"):
+        if cfg.agent[key] not in ("auto", False):
+            _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,
+                   f"true when agent.{key}={cfg.agent[key]} (both are grammar constraints)")
     _choice(cfg, "user.kind", ("scripted", "llm"))
     _choice(cfg, "analysis.discovery", ("reference", "llm", "pinned"))
     _choice(cfg, "analysis.labeler", ("reference", "llm"))
@@ -261,7 +270,10 @@ def validate(cfg: DictConfig) -> None:
             schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _choice(cfg, "grpo.engine", ("hf", "vllm"))
+    _choice(cfg, "grpo.engine", ("hf", "agent", "vllm"))
+    if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
+        _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
+               "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")
     m = cfg.moe
     _check(m.lambda_lb >= 0, "moe.lambda_lb", m.lambda_lb, ">= 0")
     _check(m.top_k >= 1, "moe.top_k", m.top_k, ">= 1")
@@ -271,8 +283,15 @@ def validate(cfg: DictConfig) -> None:
     # named by the paper, not built yet: fail before any work rather than at the compose stage
     _check(cfg.consolidation.method == "moe", "consolidation.method", cfg.consolidation.method,
            "moe (the other consolidations of paper Table 4 are not built yet)")
-    _check(cfg.benchmark.kind == "tau2", "benchmark.kind", cfg.benchmark.kind,
-           "tau2 (SWE-bench and ToolSandbox targets are not built yet)")
+    _check(cfg.benchmark.kind in ("tau2", "synthetic"), "benchmark.kind", cfg.benchmark.kind,
+           "tau2 or synthetic (SWE-bench and ToolSandbox targets are not built yet)")
+    if cfg.benchmark.kind == "synthetic":
+        from tracekit.synthesis.library import LIBRARY_NAMES
+
+        _check(len(cfg.benchmark.envs) > 0 and all(e in LIBRARY_NAMES for e in cfg.benchmark.envs), "benchmark.envs",
+               list(cfg.benchmark.envs), "a non-empty list of " + ", ".join(LIBRARY_NAMES))
+        _check(cfg.benchmark.limit is not None and cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
+               ">= 1 (instances per environment)")
     _choice(cfg, "eval.mode", ("greedy", "stochastic"))
     _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")

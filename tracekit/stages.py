@@ -75,6 +75,8 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
         spec = {"kind": "hf", "backbone": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg),
                 "adapter": adapter, "moe": moe, "max_batch_size": cfg.agent.batch_size,
                 "constrained_tool_calls": cfg.agent.constrained_tool_calls if role == "agent" else False}
+        if role == "agent":
+            spec.update(tool_choice=cfg.agent.tool_choice, copy_ids=cfg.agent.copy_ids)
     else:
         key_env = ep.pop("api_key_env", None)
         spec = {"kind": "openai", "base_url": ep["base_url"], "model": ep["model"], "timeout_s": ep["timeout_s"],
@@ -113,7 +115,15 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
         return Tau2Suite(name=b.name, domains=list(b.domains), split=split or b.split,
                          task_ids=list(b.task_ids) if b.task_ids else None, limit=b.limit,
                          user=build_user(cfg), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
-    raise NotImplementedError(f"benchmark.kind={b.kind!r}: no adapter is built yet (built: tau2)")
+    if b.kind == "synthetic":
+        from tracekit.envs.library_target import LibraryTargetSuite
+
+        user = {"kind": cfg.user.kind}
+        if cfg.user.kind == "llm":
+            user = {"kind": "llm", "user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
+        return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
+                                  user=user.pop("kind"), **user)
+    raise NotImplementedError(f"benchmark.kind={b.kind!r}: no adapter is built yet (built: tau2, synthetic)")
 
 
 def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None) -> Any:
@@ -279,7 +289,23 @@ def synthesis_target(cfg: DictConfig) -> str:
         return f"tau2_{domains[0]}"
     if cfg.benchmark.kind == "tau2":  # both domains: retail's tools (the larger split) as the family
         return "tau2_retail"
+    if cfg.benchmark.kind == "synthetic":  # the family of the library environments it is made of
+        from tracekit.synthesis.library import library_env
+
+        return library_env(cfg.benchmark.envs[0]).target
     return cfg.benchmark.name
+
+
+def _engine_spec(cfg: DictConfig) -> dict[str, Any]:
+    """The GRPO rollout engine: ``agent`` samples with the evaluated agent's client settings."""
+    g = cfg.grpo
+    if g.engine == "vllm":
+        return {"kind": "vllm", **_plain(g.vllm)}
+    if g.engine == "agent":
+        a = cfg.agent
+        return {"kind": "agent", "constrained_tool_calls": a.constrained_tool_calls, "tool_choice": a.tool_choice,
+                "copy_ids": a.copy_ids, "max_batch_size": a.batch_size}
+    return {"kind": g.engine}
 
 
 def synthesize_stage(ctx: StageContext) -> None:
@@ -360,7 +386,8 @@ def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
     g = cfg.grpo
     # what runs (env.json + generated source), not the reports beside it (they carry timings)
     package = {f.name: f.read_text() for f in sorted(pkg.iterdir()) if f.name == "env.json" or f.suffix == ".py"}
-    key = stable_hash({"grpo": _plain(g), "backbone": backbone_dict(cfg), "env": package}, length=20)
+    key = stable_hash({"grpo": _plain(g), "engine": _engine_spec(cfg), "backbone": backbone_dict(cfg), "env": package},
+                      length=20)
     n_seeds = g.groups * g.iterations
 
     def compute(work: Path) -> None:
@@ -372,7 +399,7 @@ def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
             env=Factory("tracekit.synthesis.stage:open_package",
                         {"pkg_dir": str(pkg), "seeds": list(range(TRAIN_SEED_OFFSET, TRAIN_SEED_OFFSET + n_seeds))}),
             out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format,
-            engine={"kind": g.engine, **_plain(g.vllm)})
+            engine=_engine_spec(cfg))
         launcher = LauncherSettings(**_plain(cfg.launcher))
         logger = ctx.record.logger
         train(spec, launcher, callbacks=[lambda row: logger.scalars({f"train/{capability}/{k}": v

@@ -100,7 +100,7 @@ class GoldSpec:
     domain: str
     task_id: str
     actions: tuple[GoldAction, ...]
-    communicate_info: tuple[str, ...]
+    communicate_info: tuple[str | tuple[str, ...], ...]  # each item, or a group of alternatives, must be told
     write_tools: frozenset[str]
     tools: frozenset[str]
 
@@ -138,6 +138,29 @@ def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str,
                 tools=tools,
             )
     return out
+
+
+def _library_tau2_envs() -> tuple[str, ...]:
+    from tracekit.synthesis.library import LIBRARY_NAMES
+
+    return tuple(n for n in LIBRARY_NAMES if n.startswith("tau2_"))
+
+
+def library_gold(env: str, difficulty: int, seed: int) -> GoldSpec:
+    """The gold spec of instance ``seed`` of built-in tau^2 environment ``env``: its ground-truth calls as the
+    gold actions (compared on every argument), its expected outputs as the information to communicate, the
+    write tools of the tau^2 domain whose tools it keeps."""
+    from tracekit.synthesis.library import library_env
+
+    cls = library_env(env)
+    domain = cls.target.removeprefix("tau2_")
+    inst = cls(difficulty).generate(seed)
+    dom = importlib.import_module(f"tau2.domains.{domain}.environment").get_environment()
+    tools = frozenset(dom.tools.tools)
+    return GoldSpec(domain=domain, task_id=f"{env}/seed-{seed}",
+                    actions=tuple(GoldAction(c.name, dict(c.arguments)) for c in inst.solution),
+                    communicate_info=tuple(tuple(group) for group in inst.expected_outputs),
+                    write_tools=frozenset(n for n in tools if dom.tools.tool_type(n).value == "write"), tools=tools)
 
 
 def trajectory_task(traj: Trajectory) -> tuple[str, str]:
@@ -284,9 +307,11 @@ def _data_errors(g: GoldAction, c: AgentCall) -> list[str]:
     ]
 
 
-def _said(info: str, traj: Trajectory) -> bool:
-    info = info.lower()
-    return any(m.role == "assistant" and m.content and info in m.content.lower().replace(",", "") for m in traj.messages)
+def _said(info: str | tuple[str, ...], traj: Trajectory) -> bool:
+    """tau^2's communicate check (case-insensitive substring, commas removed); a group: any alternative."""
+    alternatives = [info] if isinstance(info, str) else list(info)
+    told = [m.content.lower().replace(",", "") for m in traj.messages if m.role == "assistant" and m.content]
+    return any(a.lower().replace(",", "") in t for a in alternatives for t in told)
 
 
 def reference_labels(traj: Trajectory, spec: GoldSpec) -> dict[str, tuple[LabelValue, str]]:
@@ -369,7 +394,10 @@ class ReferenceLabeler:
         self.noise = noise
 
     def spec(self, traj: Trajectory) -> GoldSpec | None:
-        """The gold spec of a trajectory's task (loading its domain from tau2 on first use)."""
+        """The gold spec of a trajectory's task (loading its domain from tau2 on first use); a trajectory of a
+        built-in tau^2 synthetic environment (a ``benchmark.kind=synthetic`` target) gets its instance's."""
+        if traj.env in _library_tau2_envs():
+            return library_gold(traj.env, int(traj.info["difficulty"]), int(traj.info["seed"]))
         domain, task = trajectory_task(traj)
         if domain not in self._loaded:
             self._gold.update(tau2_gold([domain]))

@@ -7,7 +7,8 @@ kind ``hf`` (in-process transformers model, :class:`~tracekit.llm.hf.HFChatClien
     device ("cpu"), dtype (null = the backbone's), cache_dir (null = $TRACEKIT_CACHE or ~/.cache/tracekit),
     adapter (null or a peft adapter directory), moe (null or a composed LoRA-MoE directory saved by
     :meth:`tracekit.moe.model.LoRAMoEModel.save`), chat_format (null = the backbone's),
-    max_batch_size (8), constrained_tool_calls (false), tool_choice ("auto" | "required"),
+    max_batch_size (8), constrained_tool_calls (false), tool_choice ("auto" | "required"), copy_ids (false),
+    fast ("auto" | "on" | "off"),
     stop_at_tool_call_end (true), seed (0), prefill_chunk (1024), max_context_tokens (null),
     max_whitespace (1), torch_threads (null).
 
@@ -31,6 +32,8 @@ _HF_KEYS = {
     "max_batch_size",
     "constrained_tool_calls",
     "tool_choice",
+    "copy_ids",
+    "fast",
     "stop_at_tool_call_end",
     "seed",
     "prefill_chunk",

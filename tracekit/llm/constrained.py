@@ -11,6 +11,12 @@ written exactly as the backbone's chat template writes calls:
 ``tool_choice="auto"``: free text, and once ``<tool_call>`` appears the call must complete validly;
 ``"required"``: the output must be exactly one call.
 
+Schema tightening (``copy_ids``, for small models; off by default): a grammar, not the prompt, narrows
+(a) every identifier argument (a string, or array of strings, named ``*_id``, ``*_ids`` or ``email``) to the
+identifiers seen so far in the conversation's user and tool messages (:func:`identifier_candidates`), and
+(b) every free string argument whose description lists its values ("either 'a' or 'b'", "one of 'a', 'b'")
+to those values. The model still chooses which id and which tool; it can no longer invent an id.
+
 The same machinery serves a request's ``response_format`` (OpenAI shapes ``{"type": "json_object"}``
 and ``{"type": "json_schema", "json_schema": {"schema": ...}}``): the whole output is then JSON
 (valid for the schema), written with ``", "`` / ``": "`` separators and no other whitespace.
@@ -20,12 +26,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import copy
+import re
+
 import numpy as np
 
 from tracekit.llm.tools import check_chat_format
 from tracekit.types import stable_hash
 
 TOOL_CHOICES = ("auto", "required")
+
+# an identifier: a token with a digit (order ids, item ids, user ids, emails) or a 6-character code of capitals
+_IDENTIFIER = re.compile(r"#?[A-Za-z0-9_.@+-]*[0-9][A-Za-z0-9_.@+-]*|\b[A-Z0-9]{6}\b")
+_LISTED_VALUES = re.compile(r"\b(?:either|one of)\b(.*)", re.IGNORECASE | re.DOTALL)
+_QUOTED = re.compile(r"'([^']+)'")
 
 _BEGIN_END = {
     "qwen3": ('<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
@@ -50,6 +64,46 @@ def _parameters(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"tool schema without a name: {str(tool)[:80]}")
     return name, fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def identifier_candidates(messages: list[Any], min_length: int = 5) -> list[str]:
+    """Identifier-like tokens of the user and tool messages, in order of first appearance (no system text:
+    its example ids are not the user's)."""
+    seen: dict[str, None] = {}
+    for m in messages:
+        if m.role not in ("user", "tool"):
+            continue
+        for token in _IDENTIFIER.findall(m.content or ""):
+            token = token.strip(".,;:-+")
+            if len(token) >= min_length:
+                seen.setdefault(token, None)
+    return list(seen)
+
+
+def _listed_values(description: str) -> list[str]:
+    match = _LISTED_VALUES.search(description or "")
+    values = _QUOTED.findall(match.group(1)) if match else []
+    return values if len(values) >= 2 else []
+
+
+def tighten_tools(tools: list[dict[str, Any]], identifiers: list[str]) -> list[dict[str, Any]]:
+    """Copies of ``tools`` with identifier arguments narrowed to ``identifiers`` (when there are any) and
+    documented value lists turned into enums (see the module doc)."""
+    out = copy.deepcopy(tools)
+    for tool in out:
+        params = tool.get("function", tool).get("parameters") or {}
+        for name, schema in (params.get("properties") or {}).items():
+            if not isinstance(schema, dict) or "enum" in schema:
+                continue
+            is_id = name.endswith(("_id", "_ids")) or name == "email"
+            if schema.get("type") == "string":
+                values = identifiers if is_id else _listed_values(schema.get("description", ""))
+                if values:
+                    schema["enum"] = list(values)
+            elif schema.get("type") == "array" and is_id and identifiers and isinstance(schema.get("items"), dict) \
+                    and schema["items"].get("type") == "string":
+                schema["items"]["enum"] = list(identifiers)
+    return out
 
 
 def structural_tag(
@@ -88,8 +142,12 @@ class ToolCallGrammar:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: dict[str, Any] = {}
 
-    def matcher(self, tools: list[dict[str, Any]], chat_format: str, tool_choice: str = "auto") -> Any:
-        """A fresh ``xgrammar.GrammarMatcher`` for one generation."""
+    def matcher(self, tools: list[dict[str, Any]], chat_format: str, tool_choice: str = "auto",
+                copy_from: list[Any] | None = None) -> Any:
+        """A fresh ``xgrammar.GrammarMatcher`` for one generation; ``copy_from``: the request's messages,
+        to tighten the schemas with (:func:`tighten_tools`)."""
+        if copy_from is not None:
+            tools = tighten_tools(tools, identifier_candidates(copy_from))
         tag = structural_tag(tools, chat_format, tool_choice, self.max_whitespace)
         key = stable_hash(tag)
         if key not in self._compiled:

@@ -1,7 +1,8 @@
 """``HFChatClient``: a transformers causal LM (optionally a peft model) behind the chat interface.
 
-Generation is our own batched loop with a KV cache (left padding, chunked prefill, finished rows
-pruned from the cache) because ``generate`` cannot give each row its own random generator. Each
+Generation is our own batched loop over the decoding sessions of ``tracekit.rl.fast_decode`` (the
+same core as the GRPO rollout engine: merged-weight fast path or the plain forward; left padding,
+chunked prefill) because ``generate`` cannot give each row its own random generator. Each
 request samples with its own numpy ``PCG64`` generator seeded by ``request.seed`` and draws exactly
 one uniform per generated token (inverse-CDF sampling in float64), so the same request and seed give
 the same tokens however requests are batched (up to float ties in the forward pass: rows of
@@ -16,7 +17,6 @@ without constraints (GRPO rollouts) this is exactly log pi_theta(token | context
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 from typing import Any
@@ -86,16 +86,6 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.sum(np.exp(x - m))))
 
 
-def _can_prune(cache: Any) -> bool:
-    """Whether every layer of the KV cache can drop batch rows (hybrid linear-attention caches cannot)."""
-    layers = getattr(cache, "layers", None)
-    return (
-        hasattr(cache, "batch_select_indices")
-        and bool(layers)
-        and all(hasattr(layer, "batch_select_indices") for layer in layers)
-    )
-
-
 class _Row:
     """Generation state of one request."""
 
@@ -115,7 +105,9 @@ class HFChatClient(ChatClient):
     ``chat_format``: tool-call syntax of the model (``qwen3``, ``smollm2``, ``qwen3_xml``).
     ``max_batch_size``: requests generated together (sorted by prompt length to limit padding).
     ``constrained_tool_calls``: when tools are offered, force the output to be text or one
-    schema-valid call (``tool_choice="required"``: a call). ``stop_at_tool_call_end``: stop a row
+    schema-valid call (``tool_choice="required"``: a call); ``copy_ids``: also narrow identifier arguments to the
+    ids seen in the conversation and documented value lists to enums (``tracekit.llm.constrained.tighten_tools``,
+    for small models). ``stop_at_tool_call_end``: stop a row
     at ``</tool_call>`` (one call block per turn). ``seed``: seeds requests with ``seed=None``
     (``seed + running request number``, deterministic for a fixed call sequence).
     ``max_context_tokens``: prompt + completion cap (finish_reason ``length``; default: the model's
@@ -124,6 +116,10 @@ class HFChatClient(ChatClient):
     oversubscribed CPUs). ``max_whitespace``: whitespace run allowed inside constrained JSON.
     A request's ``response_format`` (``json_object`` / ``json_schema``) constrains its whole output
     to JSON with the same grammar machinery (needs xgrammar); tools are then not parsed.
+    ``fast``: ``auto`` decodes through ``tracekit.rl.fast_decode.FastDecoder`` (adapter merged into a
+    working copy, re-merged when the weights' version counters move; static KV cache; CUDA graphs)
+    when the architecture is supported, ``on`` requires it, ``off`` uses the model's own forward
+    (with finished rows pruned from the cache).
     """
 
     name = "hf"
@@ -136,15 +132,19 @@ class HFChatClient(ChatClient):
         max_batch_size: int = 8,
         constrained_tool_calls: bool = False,
         tool_choice: str = "auto",
+        copy_ids: bool = False,
         stop_at_tool_call_end: bool = True,
         seed: int = 0,
         prefill_chunk: int = 1024,
         max_context_tokens: int | None = None,
         max_whitespace: int | None = 1,
         torch_threads: int | None = None,
+        fast: str = "auto",
     ):
         if max_batch_size < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1")
+        if fast not in ("auto", "on", "off"):
+            raise ValueError(f"fast must be auto, on or off, got {fast!r}")
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {TOOL_CHOICES}, got {tool_choice!r}")
         self.model = model
@@ -153,6 +153,7 @@ class HFChatClient(ChatClient):
         self.max_batch_size = max_batch_size
         self.constrained_tool_calls = constrained_tool_calls
         self.tool_choice = tool_choice
+        self.copy_ids = copy_ids
         self.stop_at_tool_call_end = stop_at_tool_call_end
         self.seed = seed
         self.prefill_chunk = prefill_chunk
@@ -165,7 +166,8 @@ class HFChatClient(ChatClient):
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
         self._counter = itertools.count()
         self._vocab = int(text_config.vocab_size)
-        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self.fast = fast
+        self._decoder: Any = None  # tracekit.rl.fast_decode.FastDecoder, built at the first chat
         self.max_whitespace = max_whitespace
         self._grammar: ToolCallGrammar | None = None
 
@@ -186,7 +188,8 @@ class HFChatClient(ChatClient):
             if req.response_format:
                 matcher = self._grammars().json_matcher(req.response_format)
             elif self.constrained_tool_calls and req.tools:
-                matcher = self._grammars().matcher(req.tools, self.chat_format, self.tool_choice)
+                matcher = self._grammars().matcher(req.tools, self.chat_format, self.tool_choice,
+                                                   req.messages if self.copy_ids else None)
             row = _Row(req, prompt, seed, matcher)
             if self.max_context_tokens is not None and len(prompt) >= self.max_context_tokens:
                 row.finish = "length"  # no room left to generate
@@ -212,45 +215,42 @@ class HFChatClient(ChatClient):
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> tuple[Any, Any]:
-        kwargs = {self._cache_kw: cache} if cache is not None else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
-        new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-        return out.logits[:, -1, :].float().cpu().numpy().astype(np.float64), new_cache
+    def refresh(self) -> None:
+        """Re-merge the adapter into the fast decoder's working copy (after the weights changed in a
+        way that bypasses version counters, e.g. DeepSpeed's ``p.data`` copies)."""
+        if self._decoder is not None:
+            self._decoder.refresh()
+
+    def _session(self, prompts: list[list[int]], max_new: int) -> Any:
+        from tracekit.rl.fast_decode import FastDecoder, open_session, unsupported_reason
+
+        if self._decoder is None and self.fast != "off":
+            reason = unsupported_reason(self.model)
+            if reason is not None and self.fast == "on":
+                raise NotImplementedError(f"fast=on but fast decoding does not support this model: {reason}")
+            if reason is None:
+                self._decoder = FastDecoder(self.model, prefill_chunk=self.prefill_chunk)
+            else:
+                log.info("HFChatClient: plain decoding (%s)", reason)
+                self.fast = "off"
+        return open_session(self._decoder or self.model, prompts, self.pad_id, max_new, self.prefill_chunk)
 
     def _generate(self, rows: list[_Row]) -> None:
-        device = next(self.model.parameters()).device
-        width = max(len(r.prompt) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, r in enumerate(rows):
-            ids[j, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[j, width - len(r.prompt) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-        cache = None
-        for s in range(0, width, self.prefill_chunk):
-            e = min(width, s + self.prefill_chunk)
-            logits, cache = self._forward(ids[:, s:e], mask[:, :e], pos[:, s:e], cache)
-        last_pos = pos[:, -1:]
+        sess = self._session([r.prompt for r in rows], max(r.req.max_new_tokens for r in rows))
+        logits = sess.prefill()
         active = list(rows)
         while True:
+            host = logits.cpu().numpy().astype(np.float64)
             for j, r in enumerate(active):
-                self._step(r, logits[j])
+                self._step(r, host[j])
             keep = [j for j, r in enumerate(active) if r.finish is None]
             if not keep:
                 return
-            if len(keep) < len(active) and _can_prune(cache):
-                index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                mask, last_pos = mask[index], last_pos[index]
+            if len(keep) < len(active) and sess.can_prune:
+                sess.keep(torch.tensor(keep))
                 active = [active[j] for j in keep]
-            next_ids = torch.tensor(
-                [[r.tokens[-1] if r.finish is None else self.pad_id] for r in active], device=device
-            )
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=device)], dim=1)
-            last_pos = last_pos + 1
-            logits, cache = self._forward(next_ids, mask, last_pos, cache)
+            tokens = torch.tensor([r.tokens[-1] if r.finish is None else self.pad_id for r in active])
+            logits = sess.step(tokens, torch.tensor([r.finish is None for r in active]))
 
     def _step(self, r: _Row, row: np.ndarray) -> None:
         """Pick one token for an unfinished row (``row``: its float64 logits) and decide whether it stops."""

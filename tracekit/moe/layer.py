@@ -13,13 +13,15 @@ p = softmax(gate(h)), gate = Linear(d -> C). Routing modes (:class:`RoutingSpec`
   softmax probabilities (w_c = p_c for kept c), as the official TRACE routed model does
   ("hard top-1 cap routing with multiplicative gating": a base-slot bias of 5 gives a gate weight
   0.974, i.e. the raw probability); ``renormalize=True`` divides the kept ones by their sum.
-  ``impl="grouped"`` computes only the chosen experts' low-rank products: (token, slot) pairs are
-  sorted by expert, each expert runs on its own tokens (index_select), results are scattered back
-  with index_add_; group sizes are read on the host once per block (one sync per block and forward);
-  when every token chose the same expert (e.g. decoding one sequence) no gather/scatter is needed.
-  ``impl="grouped_mm"`` is the same grouping as one ``torch._grouped_mm`` per factor with device-side
-  group offsets (no host sync, one kernel for all experts; a private torch API: bf16 grouped GEMM on
-  sm90 GPUs, needs 16-byte aligned rows, i.e. rank and widths multiples of 8 in bf16).
+  ``impl="grouped"`` (default) computes only the chosen experts' low-rank products: once per
+  block, (token, slot) pairs are sorted by expert on the device (no host sync); each projection
+  then gathers the pairs' inputs and runs one of two backends, numerically the same:
+  - ``torch._grouped_mm`` with device-side group offsets (CUDA bf16 with 16-byte aligned rows):
+    two grouped GEMMs and an index_add_ back, no host sync;
+  - a loop over experts on contiguous slices of the sorted pairs (CPU and everything else; reads
+    the group bounds on the host once per block).
+  ``impl="grouped_mm"`` forces the ``torch._grouped_mm`` backend (a private torch API: bf16 grouped
+  GEMM on sm90+ GPUs, a loop elsewhere; rank and widths must give 16-byte aligned rows).
   ``impl="masked_dense"`` computes every expert with the non-kept weights zeroed (the reference the
   grouped paths are tested against).
 
@@ -47,7 +49,8 @@ class RoutingSpec:
 
     top_k: None = mix all experts with p (training default); k = keep the k most probable slots.
     renormalize: divide the kept probabilities by their sum (False = raw, as the official code).
-    impl: "grouped" / "grouped_mm" (run only chosen experts) or "masked_dense" (reference; every expert computed).
+    impl: "grouped" (run only the chosen experts; backend by device) / "grouped_mm" (the
+    torch._grouped_mm backend) or "masked_dense" (reference; every expert computed).
     """
 
     top_k: int | None = 1
@@ -96,7 +99,7 @@ class _Plan:
 
     @staticmethod
     def key(layer: LoRAMoELinear, dtype: torch.dtype) -> tuple:
-        return (tuple(layer.scales), layer.rank, dtype)
+        return (layer.scale_key, dtype)
 
     def precompute(self, layer: LoRAMoELinear, dtype: torch.dtype) -> None:
         self._cache[self.key(layer, dtype)] = self._scale(layer.scale, layer.rank).to(dtype)
@@ -118,57 +121,66 @@ class _DensePlan(_Plan):
 
 
 class _GroupPlan(_Plan):
-    """(token, slot) pairs sorted by adapter; ``groups`` = [(adapter, start, count)] known on the host."""
+    """(token, slot) pairs sorted by adapter on the device: ``tokens``, ``adapters`` (-1 = base slot,
+    sorted first), ``weights`` (raw gate weights), each [P] with P = T * k.
 
-    def __init__(self, tokens, adapters, weights, groups: list[tuple[int, int, int]], identity: bool):
+    Group offsets (device) and group bounds (host, one sync) are derived lazily by the backends that
+    need them and shared by the block's projections.
+    """
+
+    def __init__(self, tokens, adapters, weights, n_adapters: int, k: int, impl: str, base_slot: bool):
         super().__init__()
-        self.tokens, self.adapters, self.weights = tokens, adapters, weights  # [P] each, sorted by adapter
-        self.groups = groups
-        self.identity = identity  # k == 1 and every token chose the same adapter: pairs are tokens 0..T-1
+        self.tokens, self.adapters, self.weights = tokens, adapters, weights
+        self.n_adapters, self.k, self.impl, self.base_slot = n_adapters, k, impl, base_slot
+        self._offsets: torch.Tensor | None = None
+        self._groups: list[tuple[int, int, int]] | None = None
 
     def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
-        return (self.weights * scale[self.adapters.clamp(min=0)]).unsqueeze(-1)  # [P, 1]
+        """weights * s_adapter, 0 for base-slot pairs: [P]."""
+        if self.base_slot:
+            return self.weights * scale[self.adapters.clamp(min=0)] * (self.adapters >= 0)
+        return self.weights * scale[self.adapters]
 
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Group ends [C] (int32, on device): pairs of adapter <= c. Base-slot pairs (weight 0) join group 0."""
+        if self._offsets is None:
+            ids = torch.arange(self.n_adapters, device=self.adapters.device, dtype=self.adapters.dtype)
+            self._offsets = torch.searchsorted(self.adapters, ids, right=True, out_int32=True)
+        return self._offsets
 
-class _GroupedMMPlan(_GroupPlan):
-    """Pairs sorted by adapter with device-side group ends ``offsets`` [C] (int32); base-slot pairs have w=0."""
+    @property
+    def groups(self) -> list[tuple[int, int, int]]:
+        """[(adapter, start, count)] of the non-empty adapter groups, read on the host (one sync per block)."""
+        if self._groups is None:
+            ids = torch.arange(-1, self.n_adapters, device=self.adapters.device, dtype=self.adapters.dtype)
+            ends = torch.searchsorted(self.adapters, ids, right=True).tolist()  # ends[0]: base-slot pairs
+            self._groups = [(a, ends[a], ends[a + 1] - ends[a]) for a in range(self.n_adapters) if ends[a + 1] > ends[a]]
+        return self._groups
 
-    def __init__(self, tokens, adapters, weights, offsets: torch.Tensor):
-        super().__init__(tokens, adapters, weights, [], False)
-        self.offsets = offsets
+    @property
+    def identity(self) -> bool:
+        """k == 1 and every token chose the same adapter: the sorted pairs are tokens 0..T-1 in order."""
+        g = self.groups
+        return self.k == 1 and len(g) == 1 and g[0][2] == self.tokens.numel()
 
 
 def make_plan(probs: torch.Tensor, spec: RoutingSpec, n_adapters: int, base_slot: bool) -> _Plan:
     """Turn one block's gate probabilities [T, S] into the computation every projection of the block shares.
 
-    Computed once per block and forward, so the one host sync of the grouped path (group sizes)
-    happens once per block, not once per projection.
+    Computed once per block and forward; the grouped plan's sort runs on the device (no host sync).
     """
     off = 1 if base_slot else 0
     if spec.top_k is None:
         return _DensePlan(probs[:, off:])
     if spec.impl == "masked_dense":
         return _DensePlan(masked_topk_probs(probs, spec.top_k, spec.renormalize)[:, off:])
-    T = probs.shape[0]
     k = spec.top_k
     w, slots = topk_weights(probs, k, spec.renormalize)
-    adapters = slots.reshape(-1) - off  # -1 = base slot
-    weights = w.reshape(-1)
-    tokens = torch.arange(T, device=probs.device).repeat_interleave(k)
-    if spec.impl == "grouped_mm":
-        weights, adapters = weights * (adapters >= 0), adapters.clamp(min=0)
-        order = torch.argsort(adapters, stable=True)
-        offsets = torch.cumsum(torch.bincount(adapters, minlength=n_adapters), 0).to(torch.int32)
-        return _GroupedMMPlan(tokens[order], adapters[order], weights[order], offsets)
-    order = torch.argsort(adapters, stable=True)
-    counts = torch.bincount(adapters + 1, minlength=n_adapters + 1).tolist()  # the one host sync
-    groups, start = [], counts[0]  # counts[0] = base-slot pairs; they sort first and are skipped
-    for a in range(n_adapters):
-        if counts[a + 1]:
-            groups.append((a, start, counts[a + 1]))
-        start += counts[a + 1]
-    identity = k == 1 and len(groups) == 1 and groups[0][2] == T
-    return _GroupPlan(tokens[order], adapters[order], weights[order], groups, identity)
+    adapters = slots.reshape(-1) - off if off else slots.reshape(-1)
+    adapters, order = torch.sort(adapters, stable=True)
+    tokens = order if k == 1 else order // k  # pair p of the [T, k] layout belongs to token p // k
+    return _GroupPlan(tokens, adapters, w.reshape(-1)[order], n_adapters, k, spec.impl, base_slot)
 
 
 class BlockRouting:
@@ -187,7 +199,7 @@ class BlockRouting:
         self._layers: dict[tuple, LoRAMoELinear] = {}  # one projection per distinct (scales, rank)
 
     def register(self, layer: LoRAMoELinear) -> None:
-        self._layers.setdefault((tuple(layer.scales), layer.rank), layer)
+        self._layers.setdefault(layer.scale_key, layer)
 
     @property
     def n_slots(self) -> int:
@@ -263,6 +275,8 @@ class LoRAMoELinear(nn.Module):
         )
         self.scales = [float(s) for s in scales]
         self.rank = r
+        self.scale_key = (tuple(self.scales), r)  # projections with equal keys share the plan's scaled weights
+        self._plain_base = type(base) is nn.Linear  # F.linear directly; subclasses (quantized, ...) keep their forward
         self.n_adapters = C
         # A plain attribute (not a submodule): the gate owns the state, projections only read it.
         self.routing = routing
@@ -297,31 +311,45 @@ class LoRAMoELinear(nn.Module):
         """out [T, d_out] + gate-weighted adapter update of x [T, d_in] under the block's current plan."""
         plan = self.routing.plan()
         w = plan.scaled(self, x.dtype)
-        r = self.rank
         if isinstance(plan, _DensePlan):
             return torch.addmm(out, F.linear(x, self.A) * w, self.B.t())
-        if isinstance(plan, _GroupedMMPlan):
-            xs = x.index_select(0, plan.tokens)
-            z = torch._grouped_mm(xs, self.A3.transpose(1, 2), offs=plan.offsets) * w  # [P, r]
-            y = torch._grouped_mm(z, self.B3.transpose(1, 2), offs=plan.offsets)  # [P, d_out]
-            return out.index_add_(0, plan.tokens, y)
-        if plan.identity:
-            a = plan.groups[0][0]
-            return torch.addcmul(out, F.linear(F.linear(x, self.A[a * r : a * r + r]), self.B[:, a * r : a * r + r]), w)
-        if not plan.groups:  # every token chose the base slot
+        if plan.impl == "grouped_mm" or (x.is_cuda and self._grouped_mm_fits(x)):
+            return self._grouped_mm_delta(out, x, plan, w)
+        return self._loop_delta(out, x, plan, w)
+
+    def _grouped_mm_fits(self, x: torch.Tensor) -> bool:
+        """torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows."""
+        dims = (self.rank, self.in_features, self.out_features)
+        return x.dtype == self.A.dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
+
+    def _grouped_mm_delta(self, out: torch.Tensor, x: torch.Tensor, plan: _GroupPlan, w: torch.Tensor) -> torch.Tensor:
+        """Gather the sorted pairs' inputs, one grouped GEMM per factor (device offsets), index_add_ back."""
+        xs = x.index_select(0, plan.tokens)
+        z = torch._grouped_mm(xs, self.A3.transpose(1, 2), offs=plan.offsets) * w.unsqueeze(-1)  # [P, r]
+        y = torch._grouped_mm(z, self.B3.transpose(1, 2), offs=plan.offsets)  # [P, d_out]
+        return out.index_add_(0, plan.tokens, y)
+
+    def _loop_delta(self, out: torch.Tensor, x: torch.Tensor, plan: _GroupPlan, w: torch.Tensor) -> torch.Tensor:
+        """Each expert on its contiguous slice of the sorted pairs (group bounds read on the host)."""
+        r = self.rank
+        groups = plan.groups
+        if not groups:  # every token chose the base slot
             return out
-        # one gather of the sorted pairs' inputs (base-slot pairs sort first and are skipped), each expert
-        # on its contiguous slice, one scatter back
-        off = plan.groups[0][1]
+        w = w.unsqueeze(-1)
+        if plan.identity:  # one expert for all tokens, in order: no gather/scatter
+            a = groups[0][0]
+            return torch.addcmul(out, F.linear(F.linear(x, self.A[a * r : a * r + r]), self.B[:, a * r : a * r + r]), w)
+        off = groups[0][1]  # base-slot pairs sort first and are skipped
         xs = x.index_select(0, plan.tokens[off:])
         ys = []
-        for a, s, n in plan.groups:
+        for a, s, n in groups:
             z = F.linear(xs[s - off : s - off + n], self.A[a * r : a * r + r]) * w[s : s + n]
             ys.append(F.linear(z, self.B[:, a * r : a * r + r]))
         return out.index_add_(0, plan.tokens[off:], torch.cat(ys) if len(ys) > 1 else ys[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        # F.linear saves a module call per projection (decode is bound by host time per op)
+        out = F.linear(x, self.base.weight, self.base.bias) if self._plain_base else self.base(x)
         x2d = x.reshape(-1, x.shape[-1])
         probs = self.routing.probs
         if probs is not None and probs.shape[0] != x2d.shape[0]:

@@ -8,6 +8,8 @@ engine generates, and the trainer sees exactly the ids the engine consumed and p
 - ``hf``: :class:`HFEngine` samples from the live (peft) model in-process: KV-cached batched decode
   with per-row stopping, log-probs of the sampled tokens taken from the same logits that were
   sampled (no second forward pass), seeded ``torch.Generator`` (same seed on CPU -> same tokens).
+  By default through :class:`tracekit.rl.fast_decode.FastDecoder` (adapter merged into a working
+  copy, re-merged at each ``sync``; static KV cache; CUDA-graph decode steps on GPU).
 - :class:`ClientEngine` wraps any token-returning chat client on the live model (e.g. the llm
   package's ``HFChatClient`` with constrained tool calls, to train with the agent's own decoding).
 - ``vllm``: :class:`VLLMEngine` manages a ``vllm serve --enable-lora`` subprocess; each iteration
@@ -35,44 +37,18 @@ import torch
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
 from tracekit.llm.hf import stop_token_ids
 from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
+from tracekit.rl.fast_decode import Completion, FastDecoder, generate, unsupported_reason
 from tracekit.types import Message, stable_hash
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Completion:
-    """One sampled completion: token ids (the stop token included), their log-probs, why it ended."""
-
-    ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # stop | length
 
 
 # --------------------------------------------------------------------------------------------
 # In-process sampling
 
 
-def _model_kwargs_cache_name(model: torch.nn.Module) -> str:
-    """transformers >= 5.2x names the KV cache argument ``cache``; earlier 5.x ``past_key_values``."""
-    import inspect
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Mask logits outside the smallest set whose probability reaches ``top_p`` (nucleus). [B, V]."""
-    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-    drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
-
-
-@torch.no_grad()
 def sample_completions(
-    model: torch.nn.Module,
+    model: torch.nn.Module | FastDecoder,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
@@ -84,72 +60,22 @@ def sample_completions(
 ) -> list[Completion]:
     """Batched KV-cached sampling with per-row stopping; log-probs from the sampling logits.
 
-    prompts: B lists of ids (left-padded here, positions counted from each row's first real token).
-    temperature 0 = greedy. The log-prob of a sampled token is ``log_softmax(logits / T)`` (the
-    tempered policy GRPO optimizes; equal to the model's at T = 1), before any top-p truncation.
+    ``model``: the live (peft) model (plain transformers path) or a :class:`FastDecoder` over it
+    (merged weights, static cache, CUDA graphs). prompts: B lists of ids (left-padded, positions
+    counted from each row's first real token). temperature 0 = greedy. The log-prob of a sampled
+    token is ``log_softmax(logits / T)`` (the tempered policy GRPO optimizes; equal to the model's at
+    T = 1), before any top-p truncation. See :func:`tracekit.rl.fast_decode.generate`.
     """
-    if not prompts:
-        return []
-    dev = next(model.parameters()).device
-    B = len(prompts)
-    L = max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError("empty prompt")
-        ids[i, L - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        attn[i, L - len(p) :] = 1
-    ids, attn = ids.to(dev), attn.to(dev)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    gen = torch.Generator(device=dev).manual_seed(int(seed))
-    stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=dev)
-
-    from transformers import DynamicCache
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache = DynamicCache(config=base.config)
-    cache_kw = _model_kwargs_cache_name(model)
-    out_ids = torch.zeros((B, max_new_tokens), dtype=torch.long, device=dev)
-    out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
-    lengths = torch.zeros(B, dtype=torch.long, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-    step_ids, step_pos = ids, pos
-    for t in range(max_new_tokens):
-        out = model(
-            input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, logits_to_keep=1, **{cache_kw: cache}
-        )
-        logits = out.logits[:, -1, :].float()
-        if temperature > 0:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
-            probs_from = logp if top_p >= 1.0 else torch.log_softmax(_filter_top_p(logits / temperature, top_p), -1)
-            tok = torch.multinomial(probs_from.exp(), 1, generator=gen).squeeze(1)
-        else:
-            logp = torch.log_softmax(logits, dim=-1)
-            tok = logits.argmax(-1)
-        lp = logp.gather(1, tok[:, None]).squeeze(1)
-        active = ~done
-        out_ids[:, t] = torch.where(active, tok, torch.full_like(tok, pad_id))
-        out_lp[:, t] = torch.where(active, lp, torch.zeros_like(lp))
-        lengths += active.long()
-        hit = active & torch.isin(tok, stop)
-        stopped |= hit
-        done |= hit
-        if bool(done.all()):
-            break
-        step_ids = out_ids[:, t : t + 1]
-        step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, active.long()[:, None]], dim=1)
-    ids_cpu, lp_cpu, len_cpu, stop_cpu = out_ids.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu()
-    return [
-        Completion(
-            ids=ids_cpu[i, : len_cpu[i]].tolist(),
-            logprobs=lp_cpu[i, : len_cpu[i]].tolist(),
-            finish_reason="stop" if stop_cpu[i] else "length",
-        )
-        for i in range(B)
-    ]
+    return generate(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        pad_id=pad_id,
+        seed=seed,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,7 +171,12 @@ class PolicyChat(ChatClient):
 
 
 class HFEngine:
-    """Rollouts from the model being trained, in-process (CPU or GPU), sampled on the device."""
+    """Rollouts from the model being trained, in-process (CPU or GPU), sampled on the device.
+
+    ``fast``: ``auto`` decodes through a :class:`FastDecoder` when the architecture is supported
+    (else the plain peft forward, logged once), ``on`` requires it, ``off`` never uses it.
+    ``cuda_graphs``: passed to the decoder (None: on for CUDA models with dense MLPs).
+    """
 
     kind = "hf"
 
@@ -257,7 +188,11 @@ class HFEngine:
         chat_format: str = "qwen3",
         max_prompt_tokens: int = 32000,
         batch_size: int = 64,
+        fast: str = "auto",
+        cuda_graphs: bool | None = None,
     ):
+        if fast not in ("auto", "on", "off"):
+            raise ValueError(f"fast must be auto, on or off, got {fast!r}")
         self.model = model
         stops = stop_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -265,13 +200,19 @@ class HFEngine:
             tokenizer, self._generate, stops, chat_format=chat_format, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size
         )
         self._pad = int(pad)
+        reason = unsupported_reason(model) if fast != "off" else "fast=off"
+        if reason is not None and fast == "on":
+            raise NotImplementedError(f"grpo.rollout_fast=on but fast decoding does not support this model: {reason}")
+        if reason is not None and fast == "auto":
+            log.info("hf engine: plain peft decoding (%s)", reason)
+        self.decoder = FastDecoder(model, cuda_graphs=cuda_graphs) if reason is None else None
 
     def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling: the rollout policy is the eval-mode policy
         try:
             return sample_completions(
-                self.model,
+                self.decoder if self.decoder is not None else self.model,
                 prompts,
                 max_new_tokens=max_new,
                 temperature=temperature,
@@ -284,10 +225,12 @@ class HFEngine:
             self.model.train(was_training)
 
     def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
-        """Nothing to do: generation uses the live weights."""
+        """Re-merge the adapter into the fast decoder's working copy (plain decoding: nothing to do)."""
+        if self.decoder is not None:
+            self.decoder.refresh()
 
     def close(self) -> None:
-        pass
+        self.decoder = None
 
 
 class ClientEngine:
@@ -304,7 +247,10 @@ class ClientEngine:
         self.client = client
 
     def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
-        """Nothing to do: the client wraps the live weights."""
+        """Re-merge a fast-decoding client's working copy (a plain client wraps the live weights)."""
+        refresh = getattr(self.client, "refresh", None)
+        if refresh is not None:
+            refresh()
 
     def close(self) -> None:
         self.client.close()

@@ -123,6 +123,13 @@ class DeepSpeedBackend:
         self.loss_scale = float(world)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        # DeepSpeedEngine.forward() starts every micro-step by clearing the ZeRO optimizer's
+        # backward flags, and ZeRO-3 counts micro-steps there: without it each micro-step's
+        # gradient partition overwrites the previous one instead of accumulating. Our forward
+        # calls the module directly, so do it here (after the forward, before its backward).
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss)
 
@@ -147,11 +154,37 @@ class DeepSpeedBackend:
             raise RuntimeError(f"DeepSpeed checkpoint under {d / 'deepspeed'} could not be loaded")
 
 
+def check_supported(spec: TrainSpec, zero_stage: int, world: int) -> None:
+    """Refuse combinations that are not built (before any process starts).
+
+    ZeRO-3 gathers each module's parameters with collectives in every forward, so all ranks must
+    run the same number of forwards. The hf engine's rollouts do not (a rank whose sequences all
+    stopped, or whose episodes ended, skips decode steps the others run, and the others wait
+    forever), nor does the trainer's re-scoring for ``old_logprobs=recompute`` / ``kl_beta > 0``
+    (each rank packs its own rows into its own number of microbatches).
+    """
+    if zero_stage == 3 and world > 1 and spec.engine.get("kind", "hf") == "hf":
+        raise NotImplementedError(
+            "launcher=deepspeed_zero3 with nproc > 1 and grpo.engine=hf is not built: rollouts need "
+            "rank-synchronized decoding (every rank runs a forward until all ranks are done) or the full "
+            "weights gathered for generation; use launcher=deepspeed_zero2, or nproc=1"
+        )
+
+
 def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, Any], Any] | None:
     """The rollout engine the spec asks for (None: the trainer's default hf engine)."""
     kind = spec.engine.get("kind", "hf")
     if kind == "hf":
         return None
+    if kind == "agent":  # the evaluated agent's chat client (its tool-call grammar included) on the live model
+        from tracekit.llm.hf import HFChatClient
+        from tracekit.rl.engines import ClientEngine
+
+        options = {k: v for k, v in spec.engine.items() if k != "kind"}
+        if options.get("constrained_tool_calls") and spec.grpo.old_logprobs == "rollout":
+            # a grammar-masked sampler reports masked log-probs; the policy's own must be recomputed
+            raise ValueError("grpo.engine=agent with constrained tool calls needs grpo.old_logprobs=recompute")
+        return lambda model, tok: ClientEngine(HFChatClient(model, tok, chat_format=spec.chat_format, **options))
     if kind == "vllm":
         if dist.active:
             raise NotImplementedError("grpo.engine=vllm under a multi-process launcher is not built: use launcher=local with vllm")
@@ -165,7 +198,7 @@ def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, A
             raise ValueError("grpo.engine=vllm with temperature != 1 needs grpo.old_logprobs=recompute")
         work = Path(spec.out_dir) / "vllm"
         return lambda model, tok: VLLMEngine(s, tok, work, chat_format=spec.chat_format, max_prompt_tokens=spec.grpo.max_prompt_tokens)
-    raise ValueError(f"grpo.engine={kind!r} is invalid: must be hf or vllm")
+    raise ValueError(f"grpo.engine={kind!r} is invalid: must be hf, agent or vllm")
 
 
 def run_training(
@@ -222,6 +255,7 @@ def train(
     launcher = launcher or LauncherSettings()
     if launcher.kind == "local":
         return run_training(spec, callbacks=callbacks)
+    check_supported(spec, launcher.zero_stage, launcher.nproc)
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "train_spec.json"
@@ -253,14 +287,8 @@ def _num(v: str) -> Any:
     return int(f) if f.is_integer() and "." not in v else f
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Worker entry point under torchrun/deepspeed: one rank of a ZeRO data-parallel run."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--zero-stage", type=int, choices=(2, 3), required=True)
-    ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def init_worker() -> tuple[Dist, str]:
+    """Join the torchrun/deepspeed process group (NCCL on GPUs, gloo on CPU); returns (dist, device)."""
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise SystemExit(f"{key} is not set: run this under torchrun or deepspeed")
@@ -271,18 +299,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     dist = Dist(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
+    return dist, f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu"
+
+
+def finish_worker() -> None:
+    """Wait for every rank, then leave the process group."""
+    import torch.distributed as td
+
+    td.barrier()
+    td.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Worker entry point under torchrun/deepspeed: one rank of a ZeRO data-parallel run."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--zero-stage", type=int, choices=(2, 3), required=True)
+    ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = TrainSpec.from_json(read_json(args.spec))
-    device = f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu"
+    check_supported(spec, args.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
+    dist, device = init_worker()
     run_training(
         spec,
         dist=dist,
         backend_factory=lambda model, s: DeepSpeedBackend(model, s, args.zero_stage, dist.world),
         device=device,
     )
-    import torch.distributed as td
-
-    td.barrier()
-    td.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

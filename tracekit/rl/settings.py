@@ -52,6 +52,10 @@ class GRPOSettings:
     logprob_chunk: int = 1024  # rows of the [tokens x vocab] logits alive at once
     rollout_batch_size: int = 64  # sequences per generate call (hf engine)
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"  # full (recompute whole layers) | selective (recompute elementwise ops only)
+    fused_update_kernels: bool = True  # LoRA as bf16 addmm (fp32 master weights), fused RMSNorm (rl/fused.py)
+    rollout_fast: str = "auto"  # hf engine: merged-weight fast decoding: auto | on | off
+    rollout_cuda_graphs: bool = True  # hf engine: CUDA-graph decode steps (CUDA, dense MLPs)
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     seed: int = 0
     checkpoint_every: int = 5
@@ -81,6 +85,8 @@ class GRPOSettings:
             (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
             (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
+            (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
             (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
         ]
         for ok, key, valid in checks:

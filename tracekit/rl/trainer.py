@@ -57,6 +57,7 @@ from tracekit.envs.base import EnvSuite
 from tracekit.rl import grpo
 from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.episodes import EpisodeSpec, run_episodes, tool_calls
+from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
 from tracekit.types import Trajectory, stable_hash
 
@@ -137,12 +138,55 @@ def build_peft_model(model: torch.nn.Module, lora: LoraSettings, seed: int) -> t
         return get_peft_model(model, cfg)
 
 
-def set_activation_checkpointing(lm: torch.nn.Module, on: bool) -> None:
+def selective_checkpoint_context():
+    """``context_fn`` for ``torch.utils.checkpoint``: save matmul and attention outputs, recompute the rest.
+
+    Saved in forward: outputs of ``mm``/``addmm`` whose inner dim exceeds 256 (the base q/k/v/o/
+    gate/up/down projections and LoRA's ``x A^T``) and of the SDPA kernels (output + log-sum-exp).
+    Recomputed in backward: RMSNorms, RoPE, SiLU * up, residual adds, dtype casts, LoRA's
+    ``(x A^T) B^T`` (inner dim = rank: cheap to redo, as large as the base output to keep) and any
+    GEMM with inner dim <= 256. So the recompute is elementwise passes and rank-r GEMMs, no
+    attention and (almost) no large GEMM (tests: 1 of the 29 large GEMMs full checkpointing redoes
+    on a 2-layer model); its FLOPs are not counted as model FLOPs in the benchmark's MFU.
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    attention = {
+        getattr(aten, n).default
+        for n in (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        )
+        if hasattr(aten, n)
+    }
+    matmuls = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> index of the [M, K] operand
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in matmuls:
+            big = args[matmuls[op]].shape[-1] > 256
+            return CheckpointPolicy.MUST_SAVE if big else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in attention else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def set_activation_checkpointing(lm: torch.nn.Module, on: bool, policy: str = "full") -> None:
     """Recompute activations in backward (non-reentrant: the frozen embeddings need no input grads).
 
+    policy ``full``: keep each decoder layer's input only, recompute the whole layer;
+    ``selective``: :func:`selective_checkpoint_context` (recompute elementwise work only).
     transformers >= 5.2x names it ``activation_checkpointing_*``; earlier 5.x ``gradient_checkpointing_*``.
     """
-    kw = {"use_reentrant": False}
+    if policy not in ("full", "selective"):
+        raise ValueError(f"checkpoint policy must be full or selective, got {policy!r}")
+    kw: dict[str, Any] = {"use_reentrant": False}
+    if policy == "selective":
+        kw["context_fn"] = selective_checkpoint_context()
     if hasattr(lm, "activation_checkpointing_enable"):
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw) if on else lm.activation_checkpointing_disable()
     else:
@@ -185,10 +229,15 @@ def sequence_logprobs(
 
     input_ids/attention_mask/loss_mask: [n, T] -> [M] with M = loss_mask.sum(). The token at t is
     scored from the hidden state at t - 1; only those M positions go through the lm_head, in
-    ``chunk``-row pieces (``grpo.token_logprobs``), never the full [n*T, V] logits.
+    ``chunk``-row pieces (``grpo.token_logprobs``), never the full [n*T, V] logits. A right-padded
+    mask is not passed to the model: causal attention never lets a real token see a trailing pad,
+    and without a mask SDPA can run its causal flash kernel (a non-right-padded mask is passed on).
     """
     lm = causal_lm(model)
-    hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()) and bool(attention_mask[:, 0].all())
+    hidden = lm.get_decoder()(
+        input_ids=input_ids, attention_mask=None if right_padded else attention_mask, use_cache=False
+    ).last_hidden_state
     sel = loss_mask[:, 1:] > 0
     h = hidden[:, :-1][sel]
     targets = input_ids[:, 1:][sel]
@@ -287,15 +336,22 @@ class GRPOTrainer:
         dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
         model = model.to(device=self.device, dtype=dtype)
         self.model = build_peft_model(model, settings.lora, settings.seed)
+        set_fused_update_kernels(causal_lm(self.model), settings.fused_update_kernels)
         if settings.gradient_checkpointing:
-            set_activation_checkpointing(causal_lm(self.model), True)
+            set_activation_checkpointing(causal_lm(self.model), True, settings.checkpoint_policy)
         self.backend = (backend_factory or LocalBackend)(self.model, settings)
         if engine_factory is None:
             from tracekit.rl.engines import HFEngine
 
             def engine_factory(m, t):
                 return HFEngine(
-                    m, t, chat_format=chat_format, max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.rollout_batch_size
+                    m,
+                    t,
+                    chat_format=chat_format,
+                    max_prompt_tokens=settings.max_prompt_tokens,
+                    batch_size=settings.rollout_batch_size,
+                    fast=settings.rollout_fast,
+                    cuda_graphs=None if settings.rollout_cuda_graphs else False,
                 )
 
         self.engine = engine_factory(self.model, tokenizer)

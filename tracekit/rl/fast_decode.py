@@ -1,0 +1,684 @@
+"""One decoding core for every in-process sampler: sessions (plain or fast) plus the sampling step.
+
+A *session* holds one batch of left-padded prompts in a model and turns the tokens picked at a
+step into the next step's logits:
+
+- :class:`PlainSession`: the transformers forward of the live (peft) model with a ``DynamicCache``
+  (the reference path; any architecture, any adapter).
+- :class:`FastSession` over a :class:`FastDecoder`: the adapter merged into a working copy of the
+  adapted weights (``W' = W + sum_a s_a B_a A_a``, q/k/v and gate/up fused), a static KV cache,
+  and on CUDA a graph-captured decode step at a fixed batch (finished rows are masked, not
+  removed). No per-module LoRA work while decoding: each step is one graph replay.
+
+Pickers sit on top: :func:`generate` samples all rows on the device in one kernel per step
+(``torch.Generator``: same seed on CPU -> same tokens; log-probs of the sampled tokens from the very
+logits that were sampled, no second forward); ``tracekit.llm.hf.HFChatClient`` picks per row on the
+host (numpy RNG per request, grammar masks) over the same sessions.
+
+Attention trick (both prefill and decode): with ``G = H_q / H_kv`` query heads per KV head, the
+queries ``[B, H_q, c, D]`` are viewed as ``[B, H_kv, G*c, D]`` so that one SDPA call over the
+cache ``[B, H_kv, S, D]`` needs neither repeated K/V nor GQA support in the kernel; the mask
+``[B, 1, G*c, S]`` is the padding mask, causal within the chunk, and always lets a query see its
+own slot (a left-pad query then attends to itself instead of to nothing, which would give NaN).
+
+Precision: merged bf16 weights round ``W + dW``; an update smaller than half a bf16 ulp of ``W``
+is rounded away in the rollout policy (not in the trainer). On GPU use
+``grpo.old_logprobs=recompute`` (optionally with ``tis_cap``) if that mismatch matters; on CPU
+(float32) merged and unmerged agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass
+class Completion:
+    """One sampled completion: token ids (the stop token included), their log-probs, why it ended."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop | length
+
+
+def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers CausalLM inside a peft / DeepSpeed wrapper (LoRA layers stay injected)."""
+    m = getattr(model, "module", model)
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling (shared by every device-side picker)
+
+
+def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask logits outside the smallest set whose probability reaches ``top_p`` (nucleus). [B, V]."""
+    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+    p = torch.softmax(sorted_logits, dim=-1)
+    drop = p.cumsum(-1) - p >= top_p  # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def sample_step(
+    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of float32 logits [B, V] -> (tokens [B] long, log-probs [B] float32).
+
+    T > 0: ``token ~ softmax(logits / T)`` (nucleus-truncated when top_p < 1), log-prob
+    ``log_softmax(logits / T)[token]`` before truncation (the tempered policy GRPO optimizes).
+    T = 0: argmax, log-prob ``log_softmax(logits)[token]``.
+    """
+    if temperature > 0:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        probs_from = logp if top_p >= 1.0 else torch.log_softmax(filter_top_p(logits / temperature, top_p), -1)
+        tok = torch.multinomial(probs_from.exp(), 1, generator=gen).squeeze(1)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(-1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """B prompts -> (ids [B, W] long, attention mask [B, W] long), left-padded to the longest W."""
+    if not prompts:
+        raise ValueError("no prompts")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def _cache_kw(lm: torch.nn.Module) -> str:
+    """transformers >= 5.2x names the KV cache argument ``cache``; earlier 5.x ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+
+
+def _can_prune(cache) -> bool:
+    """Whether every layer of the KV cache can drop batch rows (hybrid linear-attention caches cannot)."""
+    layers = getattr(cache, "layers", None)
+    return hasattr(cache, "batch_select_indices") and bool(layers) and all(hasattr(x, "batch_select_indices") for x in layers)
+
+
+class PlainSession:
+    """The reference path: the live model's own forward with a ``DynamicCache``.
+
+    ``prefill()`` -> logits [B, V] float32 at each row's last prompt token; ``step(tokens, active)``
+    feeds one token per row (finished rows' tokens are masked out of later attention) -> next
+    logits; ``keep(index)`` drops rows (when ``can_prune``).
+    """
+
+    def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], pad_id: int, prefill_chunk: int | None = None):
+        self.model = model
+        self.lm = causal_lm_of(model)
+        self.dev = next(model.parameters()).device
+        ids, attn = left_pad(prompts, pad_id)
+        self.ids, self.attn = ids.to(self.dev), attn.to(self.dev)
+        self.pos = (self.attn.cumsum(-1) - 1).clamp(min=0)
+        self.chunk = prefill_chunk or self.ids.shape[1]
+        self.kw = _cache_kw(self.lm)
+        self.cache = None
+        self.batch = len(prompts)
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.lm.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1, **{self.kw: self.cache})
+        new = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        self.cache = new if new is not None else self.cache
+        return out.logits[:, -1, :].float()
+
+    def prefill(self) -> torch.Tensor:
+        width = self.ids.shape[1]
+        for s in range(0, width, self.chunk):
+            e = min(width, s + self.chunk)
+            logits = self._forward(self.ids[:, s:e], self.attn[:, :e], self.pos[:, s:e])
+        self.last_pos = self.pos[:, -1:]
+        return logits
+
+    def step(self, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, active.to(self.dev, self.attn.dtype)[:, None]], dim=1)
+        self.last_pos = self.last_pos + 1
+        return self._forward(tokens.to(self.dev)[:, None], self.attn, self.last_pos)
+
+    @property
+    def can_prune(self) -> bool:
+        return self.cache is not None and _can_prune(self.cache)
+
+    def keep(self, index: torch.Tensor) -> None:
+        index = index.to(self.dev)
+        self.cache.batch_select_indices(index)
+        self.attn, self.last_pos = self.attn[index], self.last_pos[index]
+        self.batch = int(index.numel())
+
+
+# --------------------------------------------------------------------------------------------
+# The fast path: merged weights, static cache, CUDA graphs
+
+
+def _is_lora(m: torch.nn.Module) -> bool:
+    return hasattr(m, "lora_A") and hasattr(m, "get_base_layer")
+
+
+def _base_linear(m: torch.nn.Module) -> torch.nn.Module:
+    return m.get_base_layer() if _is_lora(m) else m
+
+
+def _active_adapters(m: torch.nn.Module) -> list[str]:
+    if not _is_lora(m) or getattr(m, "disable_adapters", False) or getattr(m, "merged", False):
+        return []  # disabled, or peft already merged the delta into the base weight in place
+    return [a for a in m.active_adapters if a in m.lora_A]
+
+
+_BENIGN_HOOKS = ("make_inputs_require_grads",)  # transformers' checkpointing hook: sets requires_grad only
+
+
+def hooks_reason(model: torch.nn.Module) -> str | None:
+    """Forward hooks on any module (e.g. LoRA-MoE gates) would be bypassed by the fast path."""
+    for name, m in model.named_modules():
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        if any(getattr(h, "__name__", "") not in _BENIGN_HOOKS for h in hooks):
+            return f"module {name or type(m).__name__} has forward hooks"
+    return None
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why :class:`FastDecoder` cannot run ``model`` (None: it can)."""
+    lm = causal_lm_of(model)
+    if getattr(lm, "config", None) is None:
+        return f"{type(lm).__name__} has no transformers config"
+    hooked = hooks_reason(model)
+    if hooked is not None:
+        return hooked
+    cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(cfg, "model_type", None) not in FAST_MODEL_TYPES:
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {FAST_MODEL_TYPES}"
+    if any(hasattr(p, "ds_id") for p in lm.parameters()):
+        return "DeepSpeed ZeRO-3 partitioned parameters"
+    body = getattr(lm, "model", None)
+    layers = getattr(body, "layers", None)
+    if layers is None or not hasattr(body, "rotary_emb") or not hasattr(body, "norm"):
+        return "no model.layers / model.rotary_emb / model.norm"
+    if _is_lora(lm.get_output_embeddings()) or _is_lora(lm.get_input_embeddings()):
+        return "LoRA on the embeddings or lm_head"
+    for i, layer in enumerate(layers):
+        att = getattr(layer, "self_attn", None)
+        if att is None or not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+            return f"layer {i} has no standard self_attn (q/k/v/o_proj)"
+        if getattr(att, "sliding_window", None):
+            return "sliding-window attention"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(att, n) for n in ("q_norm", "k_norm") if hasattr(att, n)]
+        if not all(hasattr(n, "variance_epsilon") and getattr(n, "weight", None) is not None for n in norms):
+            return f"layer {i}: norms are not weight * RMSNorm (variance_epsilon)"
+        for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, *_dense_mlp(layer.mlp)):
+            if _is_lora(m) and any(m.use_dora.get(a, False) for a in _active_adapters(m)):
+                return "DoRA adapters"
+            if type(_base_linear(m)) is not torch.nn.Linear:
+                return f"layer {i}: {type(_base_linear(m)).__name__} is not a plain (or LoRA-wrapped) Linear"
+    return None
+
+
+def _dense_mlp(mlp: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """(gate, up, down) of a SwiGLU MLP; () for anything else (e.g. a MoE block, run as a module)."""
+    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and not hasattr(mlp, "experts"):
+        return (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return ()
+
+
+class _Fused:
+    """A working copy of several (possibly LoRA-adapted) linears stacked along the output dim."""
+
+    def __init__(self, mods: Sequence[torch.nn.Module]):
+        self.mods = list(mods)
+        bases = [_base_linear(m) for m in self.mods]
+        w0 = bases[0].weight
+        self.weight = torch.empty((sum(b.out_features for b in bases), bases[0].in_features), dtype=w0.dtype, device=w0.device)
+        has_bias = [b.bias is not None for b in bases]
+        self.bias = torch.zeros(self.weight.shape[0], dtype=w0.dtype, device=w0.device) if any(has_bias) else None
+        self.refresh()
+
+    def params(self) -> list[torch.Tensor]:
+        """Every tensor the copy is computed from (for version-based staleness checks)."""
+        out = []
+        for m in self.mods:
+            b = _base_linear(m)
+            out += [b.weight] + ([b.bias] if b.bias is not None else [])
+            for a in _active_adapters(m):
+                out += [m.lora_A[a].weight, m.lora_B[a].weight]
+        return out
+
+    def refresh(self) -> None:
+        """``W' = W + sum_a delta_a`` into the copy, in place (CUDA graphs keep its address)."""
+        row = 0
+        for m in self.mods:
+            b = _base_linear(m)
+            n = b.out_features
+            w = b.weight.float()
+            for a in _active_adapters(m):
+                w = w + m.get_delta_weight(a).float()
+            self.weight[row : row + n].copy_(w)
+            if self.bias is not None and b.bias is not None:
+                self.bias[row : row + n].copy_(b.bias)
+            row += n
+
+
+def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm, ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, as the fused kernel + one mul."""
+    return F.rms_norm(x, (x.shape[-1],), None, norm.variance_epsilon) * norm.weight
+
+
+def _add_linear(x: torch.Tensor, a: torch.Tensor, lin: _Fused) -> torch.Tensor:
+    """``x + a W^T (+ b)`` for 2-D x, a; without a bias one ``addmm`` (the add rides in the GEMM)."""
+    if lin.bias is not None:
+        return x + F.linear(a, lin.weight, lin.bias)
+    return torch.addmm(x, a, lin.weight.t())
+
+
+class FastDecoder:
+    """Merged-weight decoding of a (peft) causal LM: fused working copies, static cache, CUDA graphs.
+
+    ``refresh()`` re-merges after an optimizer step (``HFEngine.sync`` calls it each iteration;
+    sessions also re-merge when any source tensor's version counter moved). ``cuda_graphs``: capture
+    one decode step per (batch bucket, attended-length bucket) on CUDA (None: on when the model is
+    on CUDA and every MLP is dense). ``seq_bucket``: attended-length granularity of the graphs.
+    ``attention``: ``sdpa`` or ``bmm`` (see :meth:`_attend`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        cuda_graphs: bool | None = None,
+        prefill_chunk: int = 512,
+        seq_bucket: int = 128,
+        attention: str = "sdpa",
+    ):
+        if attention not in ("sdpa", "bmm"):
+            raise ValueError(f"attention must be sdpa or bmm, got {attention!r}")
+        self.attention = attention
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise NotImplementedError(f"fast decoding does not support this model: {reason}")
+        self.model = model
+        self.lm = causal_lm_of(model)
+        body = self.lm.model
+        self.layers = list(body.layers)
+        self.embed = self.lm.get_input_embeddings()
+        self.norm = body.norm
+        self.rotary = body.rotary_emb
+        self.head = self.lm.get_output_embeddings()
+        att = self.layers[0].self_attn
+        cfg = self.lm.config.get_text_config() if hasattr(self.lm.config, "get_text_config") else self.lm.config
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(att, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = cfg.num_attention_heads // self.n_kv
+        self.dq, self.dkv = cfg.num_attention_heads * self.head_dim, self.n_kv * self.head_dim
+        self.dev = self.head.weight.device
+        self.dtype = self.head.weight.dtype
+        self.prefill_chunk, self.seq_bucket = prefill_chunk, seq_bucket
+        dense = all(_dense_mlp(layer.mlp) for layer in self.layers)
+        self.cuda_graphs = (self.dev.type == "cuda" and dense) if cuda_graphs is None else bool(cuda_graphs and self.dev.type == "cuda")
+        if cuda_graphs and not dense:
+            raise NotImplementedError("CUDA-graph decoding needs dense MLPs (a MoE block's routing is data-dependent)")
+        with torch.no_grad():
+            self.qkv = [_Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+            self.o = [_Fused([l.self_attn.o_proj]) for l in self.layers]
+            self.gu = [_Fused(_dense_mlp(l.mlp)[:2]) if _dense_mlp(l.mlp) else None for l in self.layers]
+            self.down = [_Fused(_dense_mlp(l.mlp)[2:]) if _dense_mlp(l.mlp) else None for l in self.layers]
+        self._fused = [f for f in (*self.qkv, *self.o, *self.gu, *self.down) if f is not None]
+        self.qk_norm: list[torch.Tensor] | None = None  # per layer [Hq + Hkv, D]: q_norm then k_norm weights
+        self.qk_eps = getattr(getattr(att, "q_norm", None), "variance_epsilon", 0.0)
+        self._stack_qk_norms()
+        self._versions = self._version_key()
+        self.cap_b = self.cap_s = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    # ---- weights ---------------------------------------------------------------------------
+    def _version_key(self) -> int:
+        return sum(t._version for f in self._fused for t in f.params())
+
+    def _stack_qk_norms(self) -> None:
+        if not hasattr(self.layers[0].self_attn, "q_norm"):
+            return
+        hq = self.n_kv * self.group
+        with torch.no_grad():
+            self.qk_norm = [
+                torch.cat([l.self_attn.q_norm.weight.expand(hq, -1), l.self_attn.k_norm.weight.expand(self.n_kv, -1)]).clone()
+                for l in self.layers
+            ]
+
+    def refresh(self) -> None:
+        """Re-merge every adapted weight into the working copies (after an optimizer update)."""
+        with torch.no_grad():
+            for f in self._fused:
+                f.refresh()
+            if self.qk_norm is not None:
+                for w, l in zip(self.qk_norm, self.layers):
+                    hq = self.n_kv * self.group
+                    w[:hq].copy_(l.self_attn.q_norm.weight.expand(hq, -1))
+                    w[hq:].copy_(l.self_attn.k_norm.weight.expand(self.n_kv, -1))
+        self._versions = self._version_key()
+
+    def refresh_if_stale(self) -> None:
+        if self._version_key() != self._versions:
+            self.refresh()
+
+    # ---- cache -----------------------------------------------------------------------------
+    def ensure_capacity(self, batch: int, length: int) -> None:
+        """Static cache for >= batch rows of >= length slots (grown by 1.5x; graphs re-captured)."""
+        if batch <= self.cap_b and length <= self.cap_s:
+            return
+        b = max(batch, self.cap_b)
+        s = max(length, int(self.cap_s * 1.5) if length > self.cap_s else self.cap_s)
+        s = -(-s // self.seq_bucket) * self.seq_bucket
+        self.graphs.clear()
+        self._pool = None  # a pool whose graphs are all gone must not be captured into again
+        self.k = self.v = []
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = (b, self.n_kv, s, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.dev) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.dev) for _ in self.layers]
+        self.valid = torch.zeros((b, s), dtype=torch.bool, device=self.dev)
+        self.slots = torch.arange(s, device=self.dev)
+        self.cap_b, self.cap_s = b, s
+
+    # ---- the forward -----------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot0: torch.Tensor, span: int) -> torch.Tensor:
+        """Run c new tokens per row through every layer; write their K/V at slots slot0..slot0+c-1.
+
+        ids, pos: [B, c] long; slot0: [1] long (a tensor, so a captured graph reads it at replay);
+        span: attended slots [0, span) (>= slot0 + c). Needs ``valid[:B, slots]`` set for the new
+        tokens. -> final normed hidden state of the last token [B, H].
+
+        Few kernels per layer (each costs microseconds at decode sizes, whatever its work): fused
+        RMSNorm (``F.rms_norm``, then the weight: transformers' rounding), q and k normed and
+        rotated together, residual adds folded into ``addmm``, one additive mask per step.
+        """
+        B, c = ids.shape
+        G, D, Hq = self.group, self.head_dim, self.n_kv * self.group
+        new = slot0 + torch.arange(c, device=ids.device)  # [c]
+        keys = self.slots[:span]
+        # mask[b, i, j]: key j is a real token of row b at or before query i, or is query i itself
+        mask = (self.valid[:B, None, :span] & (keys[None, None, :] <= new[None, :, None])) | (keys[None, None, :] == new[None, :, None])
+        mask = mask[:, None] if c == 1 else mask.repeat(1, G, 1)[:, None]  # [B, 1, G*c or 1, span]
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if self.attention == "bmm" and c == 1:  # the GEMM epilogue's [B * Hkv, G, span] bias, built once per step
+            bias = bias.expand(B, self.n_kv, G, span).reshape(B * self.n_kv, G, span)
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, pos)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, c, 1, D]
+        half = D // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half(x) * sin = cat(x2, x1) * this
+        x = x.view(B * c, -1)
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            h = _rms(layer.input_layernorm, x)
+            qkv = F.linear(h, self.qkv[i].weight, self.qkv[i].bias).view(B, c, -1)
+            if self.qk_norm is not None:  # normalize all heads of the contiguous qkv (v's discarded): one kernel
+                qk = F.rms_norm(qkv.view(B, c, -1, D), (D,), None, self.qk_eps)[:, :, : Hq + self.n_kv] * self.qk_norm[i]
+            else:
+                qk = qkv[..., : self.dq + self.dkv].view(B, c, -1, D)  # q heads then k heads
+            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
+            v = qkv[..., self.dq + self.dkv :].view(B, c, -1, D)
+            kc, vc = self.k[i][:B], self.v[i][:B]
+            kc.index_copy_(2, new, qk[:, :, Hq:].transpose(1, 2))
+            vc.index_copy_(2, new, v.transpose(1, 2))
+            # [B, c, Hq, D] -> [B, Hkv, G*c, D]: query head h uses KV head h // G (a view when c == 1)
+            qg = qk[:, :, :Hq].transpose(1, 2).reshape(B, self.n_kv, G * c, D)
+            o = self._attend(qg, kc[:, :, :span], vc[:, :, :span], bias, att.scaling)
+            o = o.view(B, Hq, c, D).transpose(1, 2).reshape(B * c, self.dq)
+            x = _add_linear(x, o, self.o[i])
+            h = _rms(layer.post_attention_layernorm, x)
+            if self.gu[i] is not None:
+                g, u = F.linear(h, self.gu[i].weight, self.gu[i].bias).chunk(2, dim=-1)
+                x = _add_linear(x, layer.mlp.act_fn(g) * u, self.down[i])
+            else:
+                out = layer.mlp(h.view(B, c, -1))
+                x = x + (out[0] if isinstance(out, tuple) else out).reshape(B * c, -1)
+        return _rms(self.norm, x.view(B, c, -1)[:, -1])
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+        """softmax(q k^T * scale + bias) v per (row, KV head). q [B, Hkv, M, D]; k, v [B, Hkv, S, D]
+        (strided views of the cache); bias (0 / -inf) [B, 1, M or 1, S] for sdpa, [B * Hkv, M, S] for
+        bmm -> [B, Hkv, M, D].
+
+        ``sdpa``: one fused kernel. ``bmm`` (decode steps; prefill uses sdpa): scores by a batched GEMM (bf16, scale and mask in its
+        epilogue), softmax in float32, then P V (transformers' eager-attention precision): at
+        decode sizes (M = G query heads) a GEMM streams the cache closer to bandwidth than the
+        fused kernels' 64-row query tiles.
+        """
+        if self.attention == "sdpa" or q.shape[2] > self.group:  # prefill chunks: the fused kernel
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        B, H, M, D = q.shape
+        S = k.shape[2]
+        scores = torch.baddbmm(bias, q.reshape(B * H, M, D), k.reshape(B * H, S, D).transpose(1, 2), alpha=scale)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p, v.reshape(B * H, S, D)).view(B, H, M, D)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head.weight, self.head.bias).float()
+
+    def session(self, prompts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int) -> FastSession:
+        return FastSession(self, prompts, pad_id, max_new_tokens)
+
+
+def _batch_bucket(b: int) -> int:
+    """Graph batch sizes: 1, 2, 4, 8, then multiples of 8 (few captures, little padding)."""
+    if b <= 8:
+        return 1 << (b - 1).bit_length()
+    return -(-b // 8) * 8
+
+
+class FastSession:
+    """One batch in a :class:`FastDecoder` (same interface as :class:`PlainSession`).
+
+    Sessions of one decoder share its static cache: use one at a time (prefill to last step).
+    With CUDA graphs the batch is padded to a bucket with inactive dummy rows.
+    """
+
+    def __init__(self, dec: FastDecoder, prompts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int):
+        self.dec = dec
+        self.dev = dec.dev
+        self.batch = len(prompts)
+        self.graphed = dec.cuda_graphs
+        rows = _batch_bucket(self.batch) if self.graphed else self.batch
+        ids, attn = left_pad(list(prompts) + [[pad_id]] * (rows - self.batch), pad_id)
+        attn[self.batch :] = 0  # dummy rows filling a graph's batch: no real token, never active
+        self.width = ids.shape[1]
+        self.rows = rows
+        dec.ensure_capacity(rows, self.width + max_new_tokens)
+        with torch.inference_mode():
+            dec.refresh_if_stale()
+        dev = dec.dev
+        self.ids, self.attn = ids.to(dev), attn.to(dev).bool()
+        self.pos = (attn.cumsum(-1) - 1).clamp(min=0).to(dev)
+        self.t = self.width  # next cache slot
+        self.last_pos = self.pos[:, -1].clone()
+        self.pad_active = torch.zeros(rows - self.batch, dtype=torch.bool, device=dev)
+
+    @torch.inference_mode()
+    def prefill(self) -> torch.Tensor:
+        d = self.dec
+        d.valid[: self.rows].zero_()
+        d.valid[: self.rows, : self.width] = self.attn
+        chunk = d.prefill_chunk
+        for s in range(0, self.width, chunk):
+            e = min(self.width, s + chunk)
+            slot0 = torch.tensor([s], device=d.dev)
+            hidden = d.forward(self.ids[:, s:e], self.pos[:, s:e], slot0, e)
+        return d.logits(hidden)[: self.batch]
+
+    def _span(self) -> int:
+        if not self.graphed:
+            return self.t + 1
+        return min(self.dec.cap_s, -(-(self.t + 1) // self.dec.seq_bucket) * self.dec.seq_bucket)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        d = self.dec
+        if self.t >= d.cap_s:
+            raise RuntimeError(f"fast decoding ran past its cache ({d.cap_s} slots): more steps than max_new_tokens")
+        self.last_pos = self.last_pos + 1
+        tokens, active = tokens.to(d.dev), active.to(d.dev)
+        if self.rows > self.batch:
+            tokens = torch.cat([tokens, torch.zeros_like(self.pad_active, dtype=tokens.dtype)])
+            active = torch.cat([active, self.pad_active])
+        span = self._span()
+        if not self.graphed:
+            d.valid[: self.rows, self.t] = active
+            hidden = d.forward(tokens[:, None], self.last_pos[:, None], torch.tensor([self.t], device=d.dev), span)
+            out = d.logits(hidden)
+        else:
+            out = self._replay(tokens, active, span)
+        self.t += 1
+        return out[: self.batch]
+
+    def _replay(self, tokens: torch.Tensor, active: torch.Tensor, span: int) -> torch.Tensor:
+        d = self.dec
+        key = (self.rows, span)
+        fresh = key not in d.graphs
+        if fresh:
+            io = {
+                "ids": torch.zeros((self.rows, 1), dtype=torch.long, device=d.dev),
+                "pos": torch.zeros((self.rows, 1), dtype=torch.long, device=d.dev),
+                "slot": torch.zeros(1, dtype=torch.long, device=d.dev),
+                "active": torch.zeros(self.rows, dtype=torch.bool, device=d.dev),
+            }
+        else:
+            graph, io = d.graphs[key]
+        io["ids"].copy_(tokens[:, None])
+        io["pos"].copy_(self.last_pos[:, None])
+        io["slot"].fill_(self.t)
+        io["active"].copy_(active)
+        if fresh:
+            graph = self._capture(io, span)
+            d.graphs[key] = (graph, io)
+        graph.replay()
+        return io["logits"]
+
+    def _capture(self, io: dict[str, torch.Tensor], span: int) -> torch.cuda.CUDAGraph:
+        """Capture this step (inputs already in ``io``). The warm-up executes the real step, whose
+        cache writes the replay then repeats with the same values (idempotent)."""
+        d, B = self.dec, self.rows
+
+        def body() -> torch.Tensor:
+            d.valid[:B].index_copy_(1, io["slot"], io["active"][:, None])
+            return d.logits(d.forward(io["ids"], io["pos"], io["slot"], span))
+
+        stream = torch.cuda.Stream(device=d.dev)  # lazy kernel init must not happen during capture
+        stream.wait_stream(torch.cuda.current_stream(d.dev))
+        with torch.cuda.stream(stream):
+            body()
+        torch.cuda.current_stream(d.dev).wait_stream(stream)
+        if d._pool is None:
+            d._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=d._pool):
+            io["logits"] = body()
+        log.debug("captured a decode graph: batch %d, span %d", B, span)
+        return graph
+
+    can_prune = False
+
+    def keep(self, index: torch.Tensor) -> None:
+        raise RuntimeError("FastSession rows are masked, not pruned")
+
+
+# --------------------------------------------------------------------------------------------
+# The device-side picker
+
+
+def open_session(model_or_decoder, prompts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int, prefill_chunk: int | None = None):
+    """A :class:`FastSession` for a :class:`FastDecoder`, else a :class:`PlainSession` of the model.
+
+    A decoder whose model has gained forward hooks since it was built decodes plainly (logged)."""
+    if isinstance(model_or_decoder, FastDecoder):
+        hooked = hooks_reason(model_or_decoder.model)
+        if hooked is None:
+            return model_or_decoder.session(prompts, pad_id, max_new_tokens)
+        log.info("plain decoding for this batch: %s", hooked)
+        return PlainSession(model_or_decoder.model, prompts, pad_id, prefill_chunk or model_or_decoder.prefill_chunk)
+    return PlainSession(model_or_decoder, prompts, pad_id, prefill_chunk)
+
+
+@torch.no_grad()
+def generate(
+    model_or_decoder,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    seed: int = 0,
+    sync_every: int = 8,
+) -> list[Completion]:
+    """Batched sampling on the device with per-row stopping (the rollout engine's sampler).
+
+    ``model_or_decoder``: a (peft) model (plain path) or a :class:`FastDecoder` (merged path); both
+    give the same tokens under greedy decoding. A row ends at its first stop id (kept) or after
+    ``max_new_tokens``; the loop checks for "all done" every ``sync_every`` steps (one host sync).
+    """
+    if not prompts:
+        return []
+    sess = open_session(model_or_decoder, prompts, pad_id, max_new_tokens)
+    dev = sess.dev
+    sync_every = sync_every if dev.type == "cuda" else 1  # a host check costs nothing on CPU
+    B = len(prompts)
+    gen = torch.Generator(device=dev).manual_seed(int(seed))
+    stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=dev)
+    out_ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+    out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+    lengths = torch.zeros(B, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+    pad = torch.full((B,), pad_id, dtype=torch.long, device=dev)
+    logits = sess.prefill()
+    for t in range(max_new_tokens):
+        tok, lp = sample_step(logits, temperature, top_p, gen)
+        active = ~done
+        out_ids[:, t] = torch.where(active, tok, pad)
+        out_lp[:, t] = torch.where(active, lp, torch.zeros_like(lp))
+        lengths += active.long()
+        hit = active & torch.isin(tok, stop)
+        stopped |= hit
+        done |= hit
+        if t + 1 == max_new_tokens or ((t + 1) % sync_every == 0 and bool(done.all())):
+            break
+        logits = sess.step(out_ids[:, t], ~done)
+    ids_cpu, lp_cpu, len_cpu, stop_cpu = out_ids.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu()
+    return [
+        Completion(
+            ids=ids_cpu[i, : len_cpu[i]].tolist(),
+            logprobs=lp_cpu[i, : len_cpu[i]].tolist(),
+            finish_reason="stop" if stop_cpu[i] else "length",
+        )
+        for i in range(B)
+    ]
