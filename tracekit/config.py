@@ -139,7 +139,7 @@ class MoeConfig:
     train_top_k: int | None = None  # None: dense softmax mixture while training (the paper's formula)
     base_slot: bool = False  # an extra "no adapter" expert (as in the official code)
     renormalize: bool = False  # top-k weights: raw softmax probabilities (official code) or renormalized
-    impl: str = "grouped"  # top-k compute: grouped (per-expert token slices) | grouped_mm | masked_dense
+    impl: str = "grouped"  # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) | grouped_mm | masked_dense
     gate_init_std: float = 0.0  # 0: uniform routing at the start
     lr: float = 5e-4
     weight_decay: float = 0.0

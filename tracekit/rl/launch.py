@@ -115,6 +115,14 @@ class DeepSpeedBackend:
         import deepspeed
 
         self.stage = stage
+        if stage == 3:
+            from tracekit.rl.fused import set_fused_update_kernels
+            from tracekit.rl.trainer import causal_lm
+
+            # ZeRO-3 gathers a module's parameters in that module's forward hooks; the fused LoRA
+            # forward reads lora_A/lora_B weights without calling those modules (shape-[0] partitions).
+            if set_fused_update_kernels(causal_lm(model), False):
+                log.info("ZeRO-3: fused update kernels off (they bypass per-module parameter gathering)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         bf16 = torch.cuda.is_available() and s.dtype != "float32"
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=self.params, config=deepspeed_config(stage, s, bf16))
