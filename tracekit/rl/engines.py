@@ -47,35 +47,9 @@ log = logging.getLogger(__name__)
 # In-process sampling
 
 
-def sample_completions(
-    model: torch.nn.Module | FastDecoder,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    stop_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    seed: int = 0,
-) -> list[Completion]:
-    """Batched KV-cached sampling with per-row stopping; log-probs from the sampling logits.
-
-    ``model``: the live (peft) model (plain transformers path) or a :class:`FastDecoder` over it
-    (merged weights, static cache, CUDA graphs). prompts: B lists of ids (left-padded, positions
-    counted from each row's first real token). temperature 0 = greedy. The log-prob of a sampled
-    token is ``log_softmax(logits / T)`` (the tempered policy GRPO optimizes; equal to the model's at
-    T = 1), before any top-p truncation. See :func:`tracekit.rl.fast_decode.generate`.
-    """
-    return generate(
-        model,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_ids=stop_ids,
-        pad_id=pad_id,
-        seed=seed,
-    )
+# The engines' sampler is the one decoding core's (batched, per-row stopping, log-probs from the sampling
+# logits; a peft model takes the plain path, a FastDecoder the merged one): see fast_decode.generate.
+sample_completions = generate
 
 
 # --------------------------------------------------------------------------------------------
