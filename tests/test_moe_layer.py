@@ -70,14 +70,15 @@ def test_rank_padding_keeps_each_update():
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("base_slot", [False, True])
-def test_grouped_equals_masked_dense(k, renormalize, base_slot):
+@pytest.mark.parametrize("gather_max_tokens", [0, 64])  # top-1: sorted groups (prefill) / per-token gather (decode)
+def test_grouped_equals_masked_dense(k, renormalize, base_slot, gather_max_tokens):
     layer, _, _ = _bank([2, 4, 3], base_slot=base_slot)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(13, 6, generator=g)
     p = torch.softmax(3 * torch.randn(13, layer.routing.n_slots, generator=g), -1)
     outs = {}
     for impl in ("grouped", "masked_dense"):
-        layer.routing.spec = RoutingSpec(k, renormalize, impl)
+        layer.routing.spec = RoutingSpec(k, renormalize, impl, gather_max_tokens)
         layer.routing.set_probs(p)
         outs[impl] = layer(x)
     assert torch.allclose(outs["grouped"], outs["masked_dense"], rtol=1e-5, atol=1e-5)
@@ -117,6 +118,7 @@ def test_grouped_identity_path_when_all_tokens_pick_one_expert():
     layer, factors, scales = _bank([3, 3])
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7))
     p = torch.tensor([[0.2, 0.8]] * 5)
+    layer.routing.spec = RoutingSpec(1, gather_max_tokens=0)
     layer.routing.set_probs(p)
     plan = layer.routing.plan()
     assert plan.identity and plan.groups == [(1, 0, 5)]

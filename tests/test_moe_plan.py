@@ -13,7 +13,7 @@ def test_plan_sorts_pairs_by_adapter_on_device():
     for t, s in enumerate([2, 0, 3, 2, 1]):
         probs[t, s] = 0.7
         probs[t, (s + 1) % 4] = 0.3
-    plan = make_plan(probs, RoutingSpec(1), n_adapters=3, base_slot=True)
+    plan = make_plan(probs, RoutingSpec(1, gather_max_tokens=0), n_adapters=3, base_slot=True)
     assert plan.adapters.tolist() == [-1, 0, 1, 1, 2]
     assert plan.tokens.tolist() == [1, 4, 0, 3, 2]  # stable: token 0 before token 3 in adapter 1
     assert plan.offsets.tolist() == [2, 4, 5] and plan.offsets.dtype == torch.int32  # base pair joins group 0

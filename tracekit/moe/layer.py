@@ -49,13 +49,16 @@ class RoutingSpec:
 
     top_k: None = mix all experts with p (training default); k = keep the k most probable slots.
     renormalize: divide the kept probabilities by their sum (False = raw, as the official code).
-    impl: "grouped" (run only the chosen experts; backend by device) / "grouped_mm" (the
+    impl: "grouped" (run only the chosen experts; backend by device and token count) / "grouped_mm" (the
     torch._grouped_mm backend) or "masked_dense" (reference; every expert computed).
+    gather_max_tokens: "grouped" top-1 over at most this many tokens gathers each token's chosen factors
+    (decode) instead of sorting tokens into per-expert groups (prefill).
     """
 
     top_k: int | None = 1
     renormalize: bool = False
     impl: str = "grouped"
+    gather_max_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k < 1:
@@ -133,6 +136,7 @@ class _GroupPlan(_Plan):
         self.tokens, self.adapters, self.weights = tokens, adapters, weights
         self.n_adapters, self.k, self.impl, self.base_slot = n_adapters, k, impl, base_slot
         self._offsets: torch.Tensor | None = None
+        self._inverse: torch.Tensor | None = None
         self._groups: list[tuple[int, int, int]] | None = None
 
     def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
@@ -150,6 +154,15 @@ class _GroupPlan(_Plan):
         return self._offsets
 
     @property
+    def inverse(self) -> torch.Tensor:
+        """Top-1: position of each token's pair in the sorted order [T] (a gather brings results back to token
+        order without scatter-add atomics, which are slow in bf16)."""
+        if self._inverse is None:
+            self._inverse = torch.empty_like(self.tokens)
+            self._inverse[self.tokens] = torch.arange(self.tokens.numel(), device=self.tokens.device)
+        return self._inverse
+
+    @property
     def groups(self) -> list[tuple[int, int, int]]:
         """[(adapter, start, count)] of the non-empty adapter groups, read on the host (one sync per block)."""
         if self._groups is None:
@@ -165,6 +178,25 @@ class _GroupPlan(_Plan):
         return self.k == 1 and len(g) == 1 and g[0][2] == self.tokens.numel()
 
 
+class _GatherPlan(_Plan):
+    """Top-1 over few tokens (decode): each token's chosen adapter id and gate weight, in token order
+    (``adapters`` -1 = base slot). Each projection gathers the chosen factors per token and runs two batched
+    rank-r products: only the chosen expert's, with no sort, no grouping and fewer launches than
+    per-expert GEMMs (decode is bound by launches, not FLOPs)."""
+
+    def __init__(self, adapters: torch.Tensor, weights: torch.Tensor, base_slot: bool):
+        super().__init__()
+        self.adapters, self.weights, self.base_slot = adapters, weights, base_slot
+        self.index = adapters.clamp(min=0)
+
+    def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
+        """weights * s_adapter, 0 for the base slot: [T, 1, 1] (broadcast over the [T, r, 1] shrink)."""
+        w = self.weights * scale[self.index]
+        if self.base_slot:
+            w = w * (self.adapters >= 0)
+        return w.view(-1, 1, 1)
+
+
 def make_plan(probs: torch.Tensor, spec: RoutingSpec, n_adapters: int, base_slot: bool) -> _Plan:
     """Turn one block's gate probabilities [T, S] into the computation every projection of the block shares.
 
@@ -178,6 +210,8 @@ def make_plan(probs: torch.Tensor, spec: RoutingSpec, n_adapters: int, base_slot
     k = spec.top_k
     w, slots = topk_weights(probs, k, spec.renormalize)
     adapters = slots.reshape(-1) - off if off else slots.reshape(-1)
+    if k == 1 and spec.impl == "grouped" and adapters.numel() <= spec.gather_max_tokens:
+        return _GatherPlan(adapters, w.reshape(-1), base_slot)
     adapters, order = torch.sort(adapters, stable=True)
     tokens = order if k == 1 else order // k  # pair p of the [T, k] layout belongs to token p // k
     return _GroupPlan(tokens, adapters, w.reshape(-1)[order], n_adapters, k, spec.impl, base_slot)
@@ -313,6 +347,9 @@ class LoRAMoELinear(nn.Module):
         w = plan.scaled(self, x.dtype)
         if isinstance(plan, _DensePlan):
             return torch.addmm(out, F.linear(x, self.A) * w, self.B.t())
+        if isinstance(plan, _GatherPlan):  # [T, r, d_in] @ [T, d_in, 1] -> [T, r, 1]; [T, d_out, r] @ -> [T, d_out, 1]
+            z = torch.bmm(self.A3.index_select(0, plan.index), x.unsqueeze(-1)) * w
+            return out.unsqueeze(-1).baddbmm_(self.B3.index_select(0, plan.index), z).squeeze(-1)
         if plan.impl == "grouped_mm" or (x.is_cuda and self._grouped_mm_fits(x)):
             return self._grouped_mm_delta(out, x, plan, w)
         return self._loop_delta(out, x, plan, w)
@@ -327,6 +364,8 @@ class LoRAMoELinear(nn.Module):
         xs = x.index_select(0, plan.tokens)
         z = torch._grouped_mm(xs, self.A3.transpose(1, 2), offs=plan.offsets) * w.unsqueeze(-1)  # [P, r]
         y = torch._grouped_mm(z, self.B3.transpose(1, 2), offs=plan.offsets)  # [P, d_out]
+        if plan.k == 1:
+            return out.add_(y.index_select(0, plan.inverse))
         return out.index_add_(0, plan.tokens, y)
 
     def _loop_delta(self, out: torch.Tensor, x: torch.Tensor, plan: _GroupPlan, w: torch.Tensor) -> torch.Tensor:
