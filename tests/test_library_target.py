@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tracekit.agents import Agent, GoldAgent
 from tracekit.analysis.reference import ReferenceLabeler, reference_dictionary
@@ -64,3 +65,19 @@ def test_config_builds_the_target_and_checks_it(make_cfg):
         validate(make_cfg("benchmark=tau2_mini", "benchmark.envs=[tau2_nope]"))
     with pytest.raises(ValueError, match="difficulty"):
         build_suite(make_cfg("benchmark=tau2_mini", "benchmark.difficulty=9"))
+
+
+def test_zero_update_adapter_is_detected_from_its_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from tracekit.stages import is_zero_update
+
+    A = {"m.q_proj.lora_A.weight": torch.randn(4, 8), "m.v_proj.lora_A.weight": torch.randn(4, 8)}
+    save_file({**A, "m.q_proj.lora_B.weight": torch.zeros(8, 4), "m.v_proj.lora_B.weight": torch.zeros(8, 4)},
+              str(tmp_path / "adapter_model.safetensors"))
+    assert is_zero_update(tmp_path)  # peft's initialization: B = 0, so the adapter adds nothing
+    B = torch.zeros(8, 4)
+    B[3, 1] = 1e-6
+    save_file({**A, "m.q_proj.lora_B.weight": torch.zeros(8, 4), "m.v_proj.lora_B.weight": B},
+              str(tmp_path / "adapter_model.safetensors"))
+    assert not is_zero_update(tmp_path)

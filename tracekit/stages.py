@@ -296,6 +296,9 @@ def synthesis_target(cfg: DictConfig) -> str:
     return cfg.benchmark.name
 
 
+AGENT_ENGINE_READS = ("agent.constrained_tool_calls", "agent.tool_choice", "agent.copy_ids", "agent.batch_size")
+
+
 def _engine_spec(cfg: DictConfig) -> dict[str, Any]:
     """The GRPO rollout engine: ``agent`` samples with the evaluated agent's client settings."""
     g = cfg.grpo
@@ -486,6 +489,16 @@ def compose_report(art: Artifact, ctx: StageContext) -> None:
 # evaluation
 
 
+def is_zero_update(adapter_dir: Path) -> bool:
+    """Whether a saved LoRA adapter adds nothing: every ``lora_B`` is zero (its initialization, kept when every
+    GRPO group of the run had zero reward variance), so W + s B A = W exactly."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
+        names = [n for n in f.keys() if "lora_B" in n]
+        return bool(names) and all(not f.get_tensor(n).any() for n in names)
+
+
 def evaluate_stage(ctx: StageContext) -> None:
     from tracekit.evaluate import summarize, write_results
 
@@ -500,6 +513,11 @@ def evaluate_stage(ctx: StageContext) -> None:
                 art = ctx.cache.lookup("adapters", a["key"])
                 if art is None:  # never fall back to rolling out the base model under an adapter's name
                     raise FileNotFoundError(f"adapter {cap}: cache entry adapters/{a['key']} is gone; re-run stage train")
+                if is_zero_update(art.path / "adapter"):  # B = 0 everywhere: the base model's outputs, bit for bit
+                    log.info("single %s: the adapter is the zero update (no GRPO step was taken): "
+                             "its rollout is the base rollout", cap)
+                    scored[cap] = results.get("Base") or summarize(trajectories_of(ctx.inputs["rollout"]))
+                    continue
                 scored[cap] = summarize(read_trajectories_dir(cached_rollout(ctx, f"single:{cap}", art, "adapter")))
             best = max(scored, key=lambda c: (scored[c]["overall"]["pass_rate"], c))
             results[f"Single Capability GRPO ({best})"] = scored[best]
@@ -541,9 +559,10 @@ def build_pipeline() -> Pipeline:
         Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
               compute=select_stage,
               report=select_report, identity_files=("selected_names.json",)),
-        Stage("synthesize", reads=("synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name"),
+        Stage("synthesize", reads=("synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs"),
               inputs=("select", "rollout"), compute=synthesize_stage, report=synthesize_report),
-        Stage("train", reads=("grpo", "backbone", "launcher.kind"), inputs=("synthesize",), compute=train_stage,
+        Stage("train", reads=("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS), inputs=("synthesize",),
+              compute=train_stage,
               report=train_report),
         Stage("compose", reads=("moe", "consolidation"), inputs=("train",), compute=compose_stage,
               report=compose_report),
