@@ -345,7 +345,7 @@ def compare(single: Path, multi: Path) -> dict[str, float]:
 def summarize(stage_runs: dict[int, dict[str, Any]], nproc: int) -> None:
     """Per-stage tokens/s, scaling efficiency tps(W) / (W * tps(1)) and the fixed-batch comparison (in place)."""
     for runs in stage_runs.values():
-        if "error" in runs.get(1, {}) or "error" in runs.get(nproc, {}) or 1 not in runs or nproc not in runs:
+        if nproc == 1 or "error" in runs.get(1, {}) or "error" in runs.get(nproc, {}) or 1 not in runs or nproc not in runs:
             continue
         for key in ("rollout_tokens_per_s", "update_tokens_per_s", "iteration_tokens_per_s"):
             runs.setdefault("scaling_efficiency", {})[key] = runs[nproc][key] / (nproc * runs[1][key])
@@ -388,7 +388,8 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         jobs.append([(s, 1, str(i)) for i, s in enumerate(stages)])
     else:
         jobs += [[(s, 1, "0" if gpu else None)] for s in stages]
-    jobs += [[(s, args.nproc, None)] for s in stages]
+    if args.nproc > 1:  # --nproc 1: the single-GPU runs alone (no comparison, no scaling)
+        jobs += [[(s, args.nproc, None)] for s in stages]
     runs: dict[int, dict[int, Any]] = {s: {} for s in stages}
     for wave in jobs:
         procs = []
@@ -402,7 +403,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
             if len(wave) > 1:  # timings of concurrent single-GPU runs share the host's CPUs
                 runs[stage][world]["ran_concurrently_with"] = [f"zero{s} w{w}" for s, w, _ in wave if (s, w) != (stage, world)]
             print(f"[zero] stage {stage} world {world}: {err or 'ok'}", flush=True)
-    for stage in stages:
+    for stage in stages if args.nproc > 1 else ():
         a, b = work / f"zero{stage}_w1", work / f"zero{stage}_w{args.nproc}"
         if "error" not in runs[stage].get(1, {"error": 1}) and "error" not in runs[stage].get(args.nproc, {"error": 1}):
             runs[stage]["fixed_batch_vs_single"] = compare(a, b)
@@ -423,7 +424,7 @@ def _print(res: dict[str, Any], nproc: int) -> None:
         t.add_column(col, justify="right")
     for name, runs in res["stages"].items():
         cmp = runs.get("fixed_batch_vs_single", {})
-        for w in ("1", str(nproc)):
+        for w in dict.fromkeys(("1", str(nproc))):
             r = runs.get(w)
             if r is None:
                 continue
