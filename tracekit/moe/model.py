@@ -283,6 +283,10 @@ class LoRAMoEModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
+    def get_base_model(self) -> Any:
+        """The CausalLM carrying the gates and MoE projections (peft's name: callers unwrap either alike)."""
+        return self.model
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.generate(*args, **kwargs)
 
