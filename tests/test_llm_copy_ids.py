@@ -56,3 +56,16 @@ def test_required_tool_choice_and_copy_ids_need_the_grammar(make_cfg):
         validate(make_cfg("agent.constrained_tool_calls=false"))
     with pytest.raises(ConfigError, match=r"grpo\.old_logprobs"):
         validate(make_cfg("grpo.old_logprobs=rollout"))
+
+
+def test_compiled_grammars_are_bounded(monkeypatch):
+    pytest.importorskip("xgrammar")
+    from tracekit.llm.backbones import load_backbone
+    from tracekit.llm.constrained import ToolCallGrammar
+
+    model, tok = load_backbone("tiny")
+    grammars = ToolCallGrammar(tok, model.config.vocab_size, [tok.eos_token_id])
+    monkeypatch.setattr(ToolCallGrammar, "MAX_COMPILED", 3)
+    for i in range(5):  # five different id sets seen: five grammars, the oldest two dropped
+        grammars.matcher([CANCEL], "smollm2", "required", [Message(role="user", content=f"order #W{1000000 + i}")])
+    assert len(grammars._compiled) == 3

@@ -118,11 +118,10 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
     if b.kind == "synthetic":
         from tracekit.envs.library_target import LibraryTargetSuite
 
-        user = {"kind": cfg.user.kind}
-        if cfg.user.kind == "llm":
-            user = {"kind": "llm", "user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
+        llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
+                    if cfg.user.kind == "llm" else {})
         return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
-                                  user=user.pop("kind"), **user)
+                                  user=cfg.user.kind, **llm_user)
     raise NotImplementedError(f"benchmark.kind={b.kind!r}: no adapter is built yet (built: tau2, synthetic)")
 
 

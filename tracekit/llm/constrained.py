@@ -28,6 +28,7 @@ from typing import Any
 
 import copy
 import re
+from collections import OrderedDict
 
 import numpy as np
 
@@ -133,6 +134,8 @@ def structural_tag(
 class ToolCallGrammar:
     """Compiles tool-call / JSON grammars for one tokenizer (cached per tool set or format) and masks logits."""
 
+    MAX_COMPILED = 256  # compiled grammars kept (least recently used dropped)
+
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_whitespace: int | None = 1):
         xgr = _xgrammar()
         self._xgr = xgr
@@ -140,7 +143,8 @@ class ToolCallGrammar:
         self.max_whitespace = max_whitespace
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._compiled: dict[str, Any] = {}
+        # bounded: with copy_ids every new set of seen identifiers is a new grammar
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
 
     def matcher(self, tools: list[dict[str, Any]], chat_format: str, tool_choice: str = "auto",
                 copy_from: list[Any] | None = None) -> Any:
@@ -151,8 +155,14 @@ class ToolCallGrammar:
         tag = structural_tag(tools, chat_format, tool_choice, self.max_whitespace)
         key = stable_hash(tag)
         if key not in self._compiled:
-            self._compiled[key] = self._compiler.compile_structural_tag(tag)
+            self._remember(key, self._compiler.compile_structural_tag(tag))
+        self._compiled.move_to_end(key)
         return self._xgr.GrammarMatcher(self._compiled[key])
+
+    def _remember(self, key: str, grammar: Any) -> None:
+        self._compiled[key] = grammar
+        while len(self._compiled) > self.MAX_COMPILED:
+            self._compiled.popitem(last=False)
 
     def json_matcher(self, response_format: dict[str, Any]) -> Any:
         """A fresh matcher forcing the output to be JSON (``json_object``) or JSON valid for a schema."""
@@ -160,17 +170,16 @@ class ToolCallGrammar:
         key = stable_hash(response_format)
         if key not in self._compiled:
             if kind == "json_object":
-                self._compiled[key] = self._compiler.compile_builtin_json_grammar()
+                self._remember(key, self._compiler.compile_builtin_json_grammar())
             elif kind == "json_schema":
                 spec = response_format.get("json_schema") or {}
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise ValueError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
-                self._compiled[key] = self._compiler.compile_json_schema(
-                    schema, any_whitespace=False, separators=(", ", ": ")
-                )
+                self._remember(key, self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": ")))
             else:
                 raise ValueError(f"response_format type must be json_object or json_schema, got {kind!r}")
+        self._compiled.move_to_end(key)
         return self._xgr.GrammarMatcher(self._compiled[key])
 
     def mask_(self, matcher: Any, logits: np.ndarray) -> None:
