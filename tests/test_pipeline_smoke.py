@@ -41,3 +41,17 @@ def test_smoke_pipeline_runs_then_hits_the_cache(tmp_path):
     assert len(names) == 1, "the precondition of this check: both thresholds select the same capabilities"
     computed = {a["stage"] for a in swept.values() if not a["cache_hit"]}
     assert computed == {"select"}, computed
+
+
+def test_threshold_sweep_multirun_from_a_plain_working_directory(tmp_path):
+    # no TRACEKIT_ROOT: the sweep dir must resolve before Hydra's runtime config exists
+    env = {k: v for k, v in os.environ.items() if k != "TRACEKIT_ROOT"}
+    env.update(TRACEKIT_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
+    out = subprocess.run([sys.executable, "-m", "tracekit", "-m", "sweep=thresholds", "experiment=smoke", "logger=none",
+                          "thresholds.delta=0.1,0.3", "thresholds.rho=0.1"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Launching 2 jobs" in out.stdout + out.stderr
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*_sweep_thresholds")
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    assert not (tmp_path / "cache" / "train").exists()  # the sweep preset stops at `select`
