@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 
 import pytest
@@ -106,3 +107,24 @@ def test_subprocess_failure_is_one_clear_error(tmp_path):
     spec.env = Factory("tracekit.rl.toy:missing_env")
     with pytest.raises(RuntimeError, match=r"deepspeed_zero2 training exited with code \d+: .*full log"):
         train(spec, LauncherSettings(kind="deepspeed_zero2", nproc=1), timeout_s=600)
+
+
+def test_agent_engine_samples_with_the_agents_constrained_client(tmp_path):
+    # grpo.engine=agent: the rollout engine is the evaluated agent's chat client (its grammar) on the live model
+    from tracekit.rl.engines import ClientEngine
+    from tracekit.rl.launch import _engine_factory, run_training
+    from tracekit.rl.trainer import Dist
+
+    options = {"kind": "agent", "constrained_tool_calls": False, "tool_choice": "auto", "copy_ids": False,
+               "max_batch_size": 4}
+    spec = _spec(tmp_path, groups=2, group_size=2, max_new_tokens=8, old_logprobs="recompute")
+    spec.engine = options
+    factory = _engine_factory(spec, Dist())
+    model, tok = spec.model.build()
+    engine = factory(model, tok)
+    assert isinstance(engine, ClientEngine) and engine.client.model is model and engine.client.max_batch_size == 4
+    assert (run_training(spec) / "adapter_model.safetensors").exists()  # one GRPO iteration through the client
+    spec.engine = {**options, "constrained_tool_calls": True}
+    spec.grpo = dataclasses.replace(spec.grpo, old_logprobs="rollout")
+    with pytest.raises(ValueError, match="old_logprobs=recompute"):  # masked log-probs are not the policy's
+        _engine_factory(spec, Dist())
