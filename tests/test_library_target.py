@@ -63,8 +63,8 @@ def test_config_builds_the_target_and_checks_it(make_cfg):
     assert synthesis_target(cfg) == "tau2_retail"  # the library environments' family: synthesis keeps its tools
     with pytest.raises(ConfigError, match=r"benchmark\.envs"):
         validate(make_cfg("benchmark=tau2_mini", "benchmark.envs=[tau2_nope]"))
-    with pytest.raises(ValueError, match="difficulty"):
-        build_suite(make_cfg("benchmark=tau2_mini", "benchmark.difficulty=9"))
+    with pytest.raises(ConfigError, match=r"benchmark\.difficulty"):
+        validate(make_cfg("benchmark=tau2_mini", "benchmark.difficulty=9"))
 
 
 def test_zero_update_adapter_is_detected_from_its_weights(tmp_path):

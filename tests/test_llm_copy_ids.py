@@ -69,3 +69,13 @@ def test_compiled_grammars_are_bounded(monkeypatch):
     for i in range(5):  # five different id sets seen: five grammars, the oldest two dropped
         grammars.matcher([CANCEL], "smollm2", "required", [Message(role="user", content=f"order #W{1000000 + i}")])
     assert len(grammars._compiled) == 3
+
+
+def test_agent_engine_takes_the_agents_decoding(make_cfg):
+    from tracekit.stages import AGENT_ENGINE_READS, _engine_spec
+
+    spec = _engine_spec(make_cfg())  # the embedded default trains with grpo.engine=agent
+    assert spec == {"kind": "agent", "constrained_tool_calls": True, "tool_choice": "required", "copy_ids": True,
+                    "max_batch_size": 8}
+    assert "agent.copy_ids" in AGENT_ENGINE_READS  # a change of the agent's decoding retrains the adapters
+    assert _engine_spec(make_cfg("grpo.engine=hf")) == {"kind": "hf"}

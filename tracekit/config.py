@@ -292,6 +292,12 @@ def validate(cfg: DictConfig) -> None:
                list(cfg.benchmark.envs), "a non-empty list of " + ", ".join(LIBRARY_NAMES))
         _check(cfg.benchmark.limit is not None and cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
                ">= 1 (instances per environment)")
+        from tracekit.synthesis.library import library_env
+
+        for env in cfg.benchmark.envs:
+            levels = list(library_env(env).difficulty_levels)
+            _check(cfg.benchmark.difficulty in levels, "benchmark.difficulty", cfg.benchmark.difficulty,
+                   f"a difficulty level of {env} ({levels})")
     _choice(cfg, "eval.mode", ("greedy", "stochastic"))
     _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")

@@ -295,7 +295,10 @@ def synthesis_target(cfg: DictConfig) -> str:
     return cfg.benchmark.name
 
 
-AGENT_ENGINE_READS = ("agent.constrained_tool_calls", "agent.tool_choice", "agent.copy_ids", "agent.batch_size")
+# grpo.engine=agent: the HFChatClient options it takes from the agent config (client option: agent key)
+_AGENT_ENGINE_KEYS = {"constrained_tool_calls": "constrained_tool_calls", "tool_choice": "tool_choice",
+                      "copy_ids": "copy_ids", "max_batch_size": "batch_size"}
+AGENT_ENGINE_READS = tuple(f"agent.{k}" for k in _AGENT_ENGINE_KEYS.values())
 
 
 def _engine_spec(cfg: DictConfig) -> dict[str, Any]:
@@ -304,9 +307,7 @@ def _engine_spec(cfg: DictConfig) -> dict[str, Any]:
     if g.engine == "vllm":
         return {"kind": "vllm", **_plain(g.vllm)}
     if g.engine == "agent":
-        a = cfg.agent
-        return {"kind": "agent", "constrained_tool_calls": a.constrained_tool_calls, "tool_choice": a.tool_choice,
-                "copy_ids": a.copy_ids, "max_batch_size": a.batch_size}
+        return {"kind": "agent", **{option: cfg.agent[key] for option, key in _AGENT_ENGINE_KEYS.items()}}
     return {"kind": g.engine}
 
 

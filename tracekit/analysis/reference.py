@@ -48,6 +48,7 @@ a generator seeded by (seed, run, trajectory, capability). NA decisions are neve
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -109,6 +110,21 @@ class GoldSpec:
         return [a for a in self.actions if a.name in self.write_tools]
 
 
+def _domain_module(domain: str) -> Any:
+    try:
+        return importlib.import_module(f"tau2.domains.{domain}.environment")
+    except ImportError as e:
+        raise ImportError(f"reference labeler: cannot load tau2 domain {domain!r}: {e}") from e
+
+
+@functools.cache
+def domain_tools(domain: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(every tool, the write tools) of a tau^2 domain, by tau^2's own tool types (its database loads once)."""
+    env = _domain_module(domain).get_environment()
+    tools = frozenset(env.tools.tools)
+    return tools, frozenset(n for n in tools if env.tools.tool_type(n).value == "write")
+
+
 def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str, str], GoldSpec]:
     """Gold specs of every task of the given tau^2 domains, keyed by (domain, task id).
 
@@ -116,14 +132,8 @@ def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str,
     """
     out: dict[tuple[str, str], GoldSpec] = {}
     for domain in domains:
-        try:
-            mod = importlib.import_module(f"tau2.domains.{domain}.environment")
-        except ImportError as e:
-            raise ImportError(f"reference labeler: cannot load tau2 domain {domain!r}: {e}") from e
-        env = mod.get_environment()
-        tools = frozenset(env.tools.tools)
-        writes = frozenset(n for n in tools if env.tools.tool_type(n).value == "write")
-        for task in mod.get_tasks(None):
+        tools, writes = domain_tools(domain)
+        for task in _domain_module(domain).get_tasks(None):
             crit = task.evaluation_criteria
             acts = [a for a in (crit.actions or []) if a.requestor == "assistant"] if crit else []
             out[(domain, str(task.id))] = GoldSpec(
@@ -155,12 +165,11 @@ def library_gold(env: str, difficulty: int, seed: int) -> GoldSpec:
     cls = library_env(env)
     domain = cls.target.removeprefix("tau2_")
     inst = cls(difficulty).generate(seed)
-    dom = importlib.import_module(f"tau2.domains.{domain}.environment").get_environment()
-    tools = frozenset(dom.tools.tools)
+    tools, writes = domain_tools(domain)
     return GoldSpec(domain=domain, task_id=f"{env}/seed-{seed}",
                     actions=tuple(GoldAction(c.name, dict(c.arguments)) for c in inst.solution),
                     communicate_info=tuple(tuple(group) for group in inst.expected_outputs),
-                    write_tools=frozenset(n for n in tools if dom.tools.tool_type(n).value == "write"), tools=tools)
+                    write_tools=writes, tools=tools)
 
 
 def trajectory_task(traj: Trajectory) -> tuple[str, str]:
@@ -396,8 +405,11 @@ class ReferenceLabeler:
     def spec(self, traj: Trajectory) -> GoldSpec | None:
         """The gold spec of a trajectory's task (loading its domain from tau2 on first use); a trajectory of a
         built-in tau^2 synthetic environment (a ``benchmark.kind=synthetic`` target) gets its instance's."""
-        if traj.env in _library_tau2_envs():
-            return library_gold(traj.env, int(traj.info["difficulty"]), int(traj.info["seed"]))
+        if traj.env in _library_tau2_envs():  # one instance per (env, difficulty, seed), built once
+            key = (traj.env, f"seed-{traj.info['seed']}@{traj.info['difficulty']}")
+            if key not in self._gold:
+                self._gold[key] = library_gold(traj.env, int(traj.info["difficulty"]), int(traj.info["seed"]))
+            return self._gold[key]
         domain, task = trajectory_task(traj)
         if domain not in self._loaded:
             self._gold.update(tau2_gold([domain]))
