@@ -111,6 +111,40 @@ def time_decode(model, prompt: torch.Tensor, steps: int, kw: str, device: str) -
     return (time.perf_counter() - t) / steps
 
 
+@torch.no_grad()
+def time_decode_graphed(model, prompt: torch.Tensor, steps: int, kw: str, device: str) -> float:
+    """Seconds per decode step with the step captured in one CUDA graph (transformers' StaticCache):
+    the GPU work of each variant without the host's per-kernel launch cost, which dominates the eager
+    numbers at these sizes. Prefill (not timed) and capture run first; each replay is one greedy step."""
+    from transformers import StaticCache
+
+    b, s = prompt.shape
+    cache = StaticCache(config=model.config, max_cache_len=s + steps + 4)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, cache_position=torch.arange(s, device=device), **{kw: cache})
+    tok = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([s], device=device)
+
+    def step() -> torch.Tensor:
+        return model(input_ids=tok, use_cache=True, cache_position=pos, **{kw: cache}).logits
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # lazy kernel initialisation must not happen during capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+        tok.copy_(logits[:, -1:].argmax(-1))
+        pos.add_(1)
+    _sync(device)
+    return (time.perf_counter() - t) / steps
+
+
 def plot(result: dict, path: str) -> None:
     """Bar chart of each variant's time / peft_1 per measured row, with the 1.15 target line."""
     import matplotlib
@@ -148,6 +182,7 @@ def main() -> None:
     ap.add_argument("--decode", default=None, help="decode batches, e.g. 1,16,64")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="decode steps per timing run")
+    ap.add_argument("--cuda-graph", action="store_true", help="also time decode steps captured in CUDA graphs (CUDA)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -224,11 +259,13 @@ def main() -> None:
         top = moe.gate_probs()[0].argmax(-1)
         row["usage"] = [round(float(x), 3) for x in torch.bincount(top, minlength=args.adapters) / top.numel()]
         rows.append(row)
-    for b in decode:
-        prompt = torch.randint(0, shape["vocab_size"], (b, prompt_len), generator=g).to(device)
-        row = {"phase": "decode", "batch": b, "seq": prompt_len}
-        measure(row, lambda m: time_decode(m, prompt, steps, cache_kw, device))
-        rows.append(row)
+    decode_modes = [("decode", time_decode)] + ([("decode_graph", time_decode_graphed)] if args.cuda_graph else [])
+    for phase, timer in decode_modes:
+        for b in decode:
+            prompt = torch.randint(0, shape["vocab_size"], (b, prompt_len), generator=g).to(device)
+            row = {"phase": phase, "batch": b, "seq": prompt_len}
+            measure(row, lambda m: timer(m, prompt, steps, cache_kw, device))
+            rows.append(row)
     for row in rows:
         for name in ["backbone", *(f"moe_{i}" for i in MOE_IMPLS)]:
             if row[name] is not None and row["peft_1"] is not None:

@@ -58,8 +58,8 @@ def test_rank_padding_keeps_each_update():
     layer, factors, scales = _bank([2, 5, 1], spec=RoutingSpec(None))
     assert layer.rank == 5 and layer.ranks == [2, 5, 1]
     assert layer.A3.shape == (3, 5, 6) and layer.B3.shape == (3, 5, 5)
-    for c, (A, B) in enumerate(factors):
-        assert torch.equal(layer.B3[c] @ layer.A3[c], B @ A)  # zero padding adds nothing
+    for c, ((A, B), s) in enumerate(zip(factors, scales)):
+        assert torch.allclose(layer.B3[c] @ layer.A3[c], s * B @ A)  # zero padding adds nothing; B3 holds s_c B_c
     g = torch.Generator().manual_seed(6)
     x = torch.randn(4, 6, generator=g)
     p = torch.softmax(torch.randn(4, 3, generator=g), -1)
@@ -84,7 +84,7 @@ def test_grouped_equals_masked_dense(k, renormalize, base_slot, gather_max_token
     assert torch.allclose(outs["grouped"], outs["masked_dense"], rtol=1e-5, atol=1e-5)
     # and the masked-dense reference is the formula with the top-k weights
     w = masked_topk_probs(p, k, renormalize)[:, 1 if base_slot else 0 :]
-    expl = _explicit(x, layer.base, [(layer.A3[c], layer.B3[c]) for c in range(3)], layer.scales, w)
+    expl = _explicit(x, layer.base, [(layer.A3[c], layer.B3[c]) for c in range(3)], [1.0] * 3, w)  # B3 = s_c B_c
     assert torch.allclose(outs["masked_dense"], expl, rtol=1e-5, atol=1e-5)
 
 
@@ -158,3 +158,57 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="do not fit"):
         routing = BlockRouting(1, False, RoutingSpec())
         LoRAMoELinear(nn.Linear(6, 5), [(torch.zeros(2, 7), torch.zeros(5, 2))], [1.0], routing)
+
+
+def _block(widths, ranks, base_slot=False, seed=0):
+    """Projections (d_in, d_out) of one block sharing a routing, as LoRAMoEModel builds them."""
+    g = torch.Generator().manual_seed(seed)
+    routing = BlockRouting(len(ranks[0]), base_slot, RoutingSpec(1))
+    layers, refs = [], []
+    for (d_in, d_out), rs in zip(widths, ranks):
+        base = nn.Linear(d_in, d_out, bias=False)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(d_out, d_in, generator=g))
+        factors = [(torch.randn(r, d_in, generator=g), torch.randn(d_out, r, generator=g)) for r in rs]
+        scales = [1.0 + 0.5 * c for c in range(len(rs))]
+        layers.append(LoRAMoELinear(base, factors, scales, routing))
+        refs.append((factors, scales))
+    return routing, layers, refs
+
+
+@pytest.mark.parametrize("gather_max_tokens", [0, 64])
+@pytest.mark.parametrize("base_slot", [False, True])
+def test_block_bank_shared_by_projections(gather_max_tokens, base_slot):
+    # q/k-like projections share an input, a third has another width and a larger rank (pads the whole bank)
+    routing, layers, refs = _block([(6, 5), (6, 3), (4, 6)], [[2, 3, 2], [2, 3, 2], [4, 1, 2]], base_slot)
+    assert routing.bank_A.shape == (3, 4, 16) and routing.bank_B.shape == (3, 4, 14)
+    assert [(m.a_cols, m.b_cols) for m in layers] == [(0, 0), (6, 5), (12, 8)]
+    g = torch.Generator().manual_seed(8)
+    x, x2 = torch.randn(9, 6, generator=g), torch.randn(9, 4, generator=g)
+    p = torch.softmax(3 * torch.randn(9, routing.n_slots, generator=g), -1)
+    w = masked_topk_probs(p, 1, False)[:, 1 if base_slot else 0 :]
+    routing.spec = RoutingSpec(1, gather_max_tokens=gather_max_tokens)
+    routing.set_probs(p)
+    for layer, inp, (factors, scales) in zip(layers, (x, x, x2), refs):
+        want = inp @ layer.base.weight.T
+        for c, ((A, B), s) in enumerate(zip(factors, scales)):
+            want = want + w[:, c : c + 1] * s * (inp @ A.T @ B.T)
+        assert torch.allclose(layer(inp), want, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_input_gather_is_keyed_by_tensor_identity():
+    routing, (q, k, _), _ = _block([(6, 5), (6, 3), (4, 6)], [[2, 2], [2, 2], [2, 2]])
+    g = torch.Generator().manual_seed(9)
+    p = torch.softmax(3 * torch.randn(7, 2, generator=g), -1)
+    routing.spec = RoutingSpec(1, gather_max_tokens=0)
+    routing.set_probs(p)
+    x, other = torch.randn(7, 6, generator=g), torch.randn(7, 6, generator=g)
+    plan = routing.plan()
+    out = q(x)
+    gathered = plan._input[2]
+    k(x)
+    assert plan._input[2] is gathered  # k reused q's gather of the same input tensor
+    fresh = k(other)  # same shape, another tensor: its own gather
+    assert plan._input[2] is not gathered
+    routing.set_probs(p)
+    assert torch.allclose(k(other), fresh) and torch.allclose(q(x), out)

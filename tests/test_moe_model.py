@@ -154,7 +154,7 @@ def test_gradients_reach_only_gates(qwen3):
                 assert p.grad is not None and p.grad.abs().sum() > 0, name
             else:
                 assert p.grad is None and not p.requires_grad, name
-    moe.model.model.layers[0].self_attn.q_proj.A.requires_grad_(True)
+    moe.banks["0"].bank_A.requires_grad_(True)
     with pytest.raises(RuntimeError, match="only the gates"):
         moe.assert_frozen()
 

@@ -13,29 +13,34 @@ p = softmax(gate(h)), gate = Linear(d -> C). Routing modes (:class:`RoutingSpec`
   softmax probabilities (w_c = p_c for kept c), as the official TRACE routed model does
   ("hard top-1 cap routing with multiplicative gating": a base-slot bias of 5 gives a gate weight
   0.974, i.e. the raw probability); ``renormalize=True`` divides the kept ones by their sum.
-  ``impl="grouped"`` (default) computes only the chosen experts' low-rank products: once per
-  block, (token, slot) pairs are sorted by expert on the device (no host sync); each projection
-  then gathers the pairs' inputs and runs one of two backends, numerically the same:
-  - ``torch._grouped_mm`` with device-side group offsets (CUDA bf16 with 16-byte aligned rows):
-    two grouped GEMMs and an index_add_ back, no host sync;
-  - a loop over experts on contiguous slices of the sorted pairs (CPU and everything else; reads
-    the group bounds on the host once per block).
-  ``impl="grouped_mm"`` forces the ``torch._grouped_mm`` backend (a private torch API: bf16 grouped
-  GEMM on sm90+ GPUs, a loop elsewhere; rank and widths must give 16-byte aligned rows).
-  ``impl="masked_dense"`` computes every expert with the non-kept weights zeroed (the reference the
-  grouped paths are tested against).
+  ``impl="grouped"`` (default) computes only the chosen experts' low-rank products, planned once per
+  block on the device (no host sync):
+  - top-1 over at most ``gather_max_tokens`` tokens (decode): every token's chosen factors of all
+    the block's projections are gathered in two kernels, then each projection is two batched rank-r
+    products (shrink, expand-and-add): decode is bound by kernel launches, and this is the fewest;
+  - otherwise (prefill, top-k): (token, slot) pairs sorted by expert; each projection gathers the
+    pairs' inputs (once per input tensor: q, k and v share theirs) and runs ``torch._grouped_mm``
+    with device-side group offsets (CUDA bf16, 16-byte aligned rows) or a loop over experts on
+    contiguous slices of the sorted pairs (elsewhere; group bounds read on the host once per block).
+  ``impl="grouped_mm"`` forces the ``torch._grouped_mm`` backend for the sorted pairs (a private
+  torch API: bf16 grouped GEMM on sm90+ GPUs, a loop elsewhere). ``impl="masked_dense"`` computes
+  every expert with the non-kept weights zeroed (the reference the grouped paths are tested against).
 
 Optional base slot (official code's "no adapter" slot 0): the gate has C+1 outputs and slot 0
 contributes a zero update. Adapters of different ranks share the bank by zero-padding A's rows and
-B's columns to the largest rank, which leaves every B_c A_c unchanged.
+B's columns to the block's largest rank, which leaves every B_c A_c unchanged.
 
-Storage: A is kept as [C*r, d_in] (rows c*r..c*r+r-1 are A_c) and B as [d_out, C*r] (columns are
-B_c), so the dense mixture is exactly two GEMMs and each expert's factors are views. The brief's
-shapes A: C x r x d_in and B: C x d_out x r are :attr:`LoRAMoELinear.A3` and :attr:`LoRAMoELinear.B3`.
+Storage: one bank per block (:class:`BlockRouting`), shared by its projections: ``bank_A``
+[C, r, sum d_in] holds each projection's A_c side by side and ``bank_B`` [C, r, sum d_out] its
+(s_c B_c)^T (the scale folded in), so a projection's factors are column slices (views), the dense
+mixture is two GEMMs on [C*r, d] views, and one gather per bank serves every projection of the
+block. The brief's shapes A: C x r x d_in and B: C x d_out x r are :attr:`LoRAMoELinear.A3` and
+:attr:`LoRAMoELinear.B3` (B3 includes s_c).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +57,17 @@ class RoutingSpec:
     impl: "grouped" (run only the chosen experts; backend by device and token count) / "grouped_mm" (the
     torch._grouped_mm backend) or "masked_dense" (reference; every expert computed).
     gather_max_tokens: "grouped" top-1 over at most this many tokens gathers each token's chosen factors
-    (decode) instead of sorting tokens into per-expert groups (prefill).
+    (decode) instead of sorting tokens into per-expert groups (prefill). None: 64 on CUDA, 16 elsewhere.
+    The gathered copy is T x r x (sum of the block's widths): it costs T/C times the bank read of the
+    sorted path and saves its launches, so it pays while launches dominate, i.e. at any decode batch in
+    eager CUDA (host-bound), and up to about 4 tokens per adapter on a CPU (tiny Qwen3, 4 adapters:
+    4 tokens 1.87 vs 2.57 ms a forward, 16 tokens 2.98 vs 2.94, 64 tokens 6.85 vs 3.31).
     """
 
     top_k: int | None = 1
     renormalize: bool = False
     impl: str = "grouped"
-    gather_max_tokens: int = 64
+    gather_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k < 1:
@@ -88,62 +97,30 @@ def masked_topk_probs(probs: torch.Tensor, k: int, renormalize: bool) -> torch.T
     return torch.zeros_like(probs).scatter(-1, idx, w)
 
 
-class _Plan:
-    """Per-block routing computation shared by the block's projections.
+class _DensePlan:
+    """Weights for every adapter (base slot dropped), repeated over the rank: [T, C*r] in the activation
+    dtype, matching the row blocks of the [C*r, d] bank views. The mixture, or the masked top-k reference."""
 
-    ``precompute(layer, dtype)`` stores, per distinct (scales, rank) of the block's projections, the
-    gate weights multiplied by each pair's adapter scale and cast to the activation dtype, so each
-    projection adds only its own matmuls. It runs in the gate's pre-hook, before the block's forward,
-    so that a checkpointed block recomputes exactly the ops it ran the first time.
-    """
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple, torch.Tensor] = {}
-
-    @staticmethod
-    def key(layer: LoRAMoELinear, dtype: torch.dtype) -> tuple:
-        return (layer.scale_key, dtype)
-
-    def precompute(self, layer: LoRAMoELinear, dtype: torch.dtype) -> None:
-        self._cache[self.key(layer, dtype)] = self._scale(layer.scale, layer.rank).to(dtype)
-
-    def scaled(self, layer: LoRAMoELinear, dtype: torch.dtype) -> torch.Tensor:
-        hit = self._cache.get(self.key(layer, dtype))
-        return hit if hit is not None else self._scale(layer.scale, layer.rank).to(dtype)
+    def __init__(self, weights: torch.Tensor, rank: int, dtype: torch.dtype):
+        self.weights = weights.repeat_interleave(rank, dim=-1).to(dtype)
 
 
-class _DensePlan(_Plan):
-    """Weights [T, C] for every adapter (base slot dropped): the mixture, or the masked top-k reference."""
-
-    def __init__(self, weights: torch.Tensor):
-        super().__init__()
-        self.weights = weights
-
-    def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
-        return (self.weights * scale).repeat_interleave(rank, dim=-1)  # [T, C*r], matches A's row blocks
-
-
-class _GroupPlan(_Plan):
+class _GroupPlan:
     """(token, slot) pairs sorted by adapter on the device: ``tokens``, ``adapters`` (-1 = base slot,
-    sorted first), ``weights`` (raw gate weights), each [P] with P = T * k.
+    sorted first), ``weights`` [P, 1] (gate weights in the activation dtype, 0 for base-slot pairs), each
+    of P = T * k pairs.
 
     Group offsets (device) and group bounds (host, one sync) are derived lazily by the backends that
-    need them and shared by the block's projections.
+    need them and shared by the block's projections, as is the gathered input of each input tensor.
     """
 
-    def __init__(self, tokens, adapters, weights, n_adapters: int, k: int, impl: str, base_slot: bool):
-        super().__init__()
-        self.tokens, self.adapters, self.weights = tokens, adapters, weights
-        self.n_adapters, self.k, self.impl, self.base_slot = n_adapters, k, impl, base_slot
+    def __init__(self, tokens, adapters, weights, n_adapters: int, k: int, impl: str, base_slot: bool, dtype):
+        self.tokens, self.adapters, self.n_adapters, self.k, self.impl = tokens, adapters, n_adapters, k, impl
+        self.weights = (weights * (adapters >= 0) if base_slot else weights).to(dtype).unsqueeze(-1)
         self._offsets: torch.Tensor | None = None
         self._inverse: torch.Tensor | None = None
         self._groups: list[tuple[int, int, int]] | None = None
-
-    def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
-        """weights * s_adapter, 0 for base-slot pairs: [P]."""
-        if self.base_slot:
-            return self.weights * scale[self.adapters.clamp(min=0)] * (self.adapters >= 0)
-        return self.weights * scale[self.adapters]
+        self._input: tuple[weakref.ref, int, torch.Tensor] | None = None
 
     @property
     def offsets(self) -> torch.Tensor:
@@ -177,86 +154,116 @@ class _GroupPlan(_Plan):
         g = self.groups
         return self.k == 1 and len(g) == 1 and g[0][2] == self.tokens.numel()
 
-
-class _GatherPlan(_Plan):
-    """Top-1 over few tokens (decode): each token's chosen adapter id and gate weight, in token order
-    (``adapters`` -1 = base slot). Each projection gathers the chosen factors per token and runs two batched
-    rank-r products: only the chosen expert's, with no sort, no grouping and fewer launches than
-    per-expert GEMMs (decode is bound by launches, not FLOPs)."""
-
-    def __init__(self, adapters: torch.Tensor, weights: torch.Tensor, base_slot: bool):
-        super().__init__()
-        self.adapters, self.weights, self.base_slot = adapters, weights, base_slot
-        self.index = adapters.clamp(min=0)
-
-    def _scale(self, scale: torch.Tensor, rank: int) -> torch.Tensor:
-        """weights * s_adapter, 0 for the base slot: [T, 1, 1] (broadcast over the [T, r, 1] shrink)."""
-        w = self.weights * scale[self.index]
-        if self.base_slot:
-            w = w * (self.adapters >= 0)
-        return w.view(-1, 1, 1)
+    def gather_input(self, x: torch.Tensor, x2d: torch.Tensor, start: int) -> torch.Tensor:
+        """Pairs ``start:`` of the sorted order: their tokens' rows of x2d times their gate weights [P - start,
+        d_in] (w (B A x) = B A (w x)). Computed once per input tensor ``x``: the block's projections that share
+        an input (q/k/v, gate/up) share it. A weak reference: a freed input never matches."""
+        hit = self._input
+        if hit is not None and hit[0]() is x and hit[1] == start:
+            return hit[2]
+        xs = x2d.index_select(0, self.tokens[start:] if start else self.tokens) * self.weights[start:]
+        self._input = (weakref.ref(x), start, xs)
+        return xs
 
 
-def make_plan(probs: torch.Tensor, spec: RoutingSpec, n_adapters: int, base_slot: bool) -> _Plan:
+class _GatherPlan:
+    """Top-1 over few tokens (decode): every token's chosen factors of all the block's projections, gathered
+    once: ``A`` [T, r, sum d_in] and ``B`` [T, r, sum d_out] already multiplied by the token's gate weight
+    (0 for the base slot). Each projection is then two batched rank-r products on column views."""
+
+    def __init__(self, routing: BlockRouting, adapters: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
+        index = adapters.clamp(min=0)
+        w = weights * (adapters >= 0) if routing.base_slot else weights
+        self.A = routing.bank_A.index_select(0, index)
+        self.B = routing.bank_B.index_select(0, index) * w.to(dtype).view(-1, 1, 1)
+
+
+def make_plan(probs: torch.Tensor, routing: BlockRouting, dtype: torch.dtype):
     """Turn one block's gate probabilities [T, S] into the computation every projection of the block shares.
 
-    Computed once per block and forward; the grouped plan's sort runs on the device (no host sync).
-    """
-    off = 1 if base_slot else 0
+    Computed once per block and forward, on the device (no host sync)."""
+    spec, off = routing.spec, 1 if routing.base_slot else 0
     if spec.top_k is None:
-        return _DensePlan(probs[:, off:])
+        return _DensePlan(probs[:, off:], routing.rank, dtype)
     if spec.impl == "masked_dense":
-        return _DensePlan(masked_topk_probs(probs, spec.top_k, spec.renormalize)[:, off:])
+        return _DensePlan(masked_topk_probs(probs, spec.top_k, spec.renormalize)[:, off:], routing.rank, dtype)
     k = spec.top_k
     w, slots = topk_weights(probs, k, spec.renormalize)
     adapters = slots.reshape(-1) - off if off else slots.reshape(-1)
-    if k == 1 and spec.impl == "grouped" and adapters.numel() <= spec.gather_max_tokens:
-        return _GatherPlan(adapters, w.reshape(-1), base_slot)
+    gather_max = spec.gather_max_tokens if spec.gather_max_tokens is not None else (64 if probs.is_cuda else 16)
+    if k == 1 and spec.impl == "grouped" and adapters.numel() <= gather_max:
+        return _GatherPlan(routing, adapters, w.reshape(-1), dtype)
     adapters, order = torch.sort(adapters, stable=True)
     tokens = order if k == 1 else order // k  # pair p of the [T, k] layout belongs to token p // k
-    return _GroupPlan(tokens, adapters, w.reshape(-1)[order], n_adapters, k, spec.impl, base_slot)
+    return _GroupPlan(tokens, adapters, w.reshape(-1)[order], routing.n_adapters, k, spec.impl, routing.base_slot, dtype)
 
 
-class BlockRouting:
-    """Routing state shared by one block's gate (writer) and its adapted projections (readers).
+class BlockRouting(nn.Module):
+    """One block's routing state and LoRA bank, shared by its gate (writer) and adapted projections (readers).
 
-    ``probs`` [T, S] (float32) are the gate probabilities of the block's latest forward; ``set_probs``
-    builds the block's plan at once (in the gate's pre-hook, outside any checkpointed block forward).
+    ``bank_A`` [C, r, sum d_in] / ``bank_B`` [C, r, sum d_out] (frozen): the projections' A_c and
+    (s_c B_c)^T side by side, in registration order. ``probs`` [T, S] (float32) are the gate
+    probabilities of the block's latest forward; ``set_probs`` builds the block's plan at once (in the
+    gate's pre-hook, outside any checkpointed block forward, so a recomputed block reruns the same ops).
     """
 
     def __init__(self, n_adapters: int, base_slot: bool, spec: RoutingSpec):
+        super().__init__()
         self.n_adapters = n_adapters
         self.base_slot = base_slot
         self.spec = spec
         self.probs: torch.Tensor | None = None
-        self._plan: _Plan | None = None
-        self._layers: dict[tuple, LoRAMoELinear] = {}  # one projection per distinct (scales, rank)
+        self._plan = None
+        self.bank_A = nn.Parameter(torch.zeros(n_adapters, 0, 0), requires_grad=False)
+        self.bank_B = nn.Parameter(torch.zeros(n_adapters, 0, 0), requires_grad=False)
 
-    def register(self, layer: LoRAMoELinear) -> None:
-        self._layers.setdefault(layer.scale_key, layer)
+    @property
+    def rank(self) -> int:
+        return self.bank_A.shape[1]
 
     @property
     def n_slots(self) -> int:
         return self.n_adapters + (1 if self.base_slot else 0)
 
+    def register(self, a3: torch.Tensor, bt3: torch.Tensor) -> tuple[int, int]:
+        """Append one projection's A [C, r_p, d_in] and (s B)^T [C, r_p, d_out]; -> its (A, B) column offsets.
+        A larger rank than the bank's zero-pads the bank (no change to any product)."""
+        old_a, old_b = self.bank_A.data, self.bank_B.data
+        if old_a.shape[2]:
+            if a3.device != old_a.device or a3.dtype != old_a.dtype:
+                raise ValueError(f"projection on {a3.device}/{a3.dtype}, its block's bank on {old_a.device}/{old_a.dtype}")
+        else:
+            old_a, old_b = old_a.to(a3), old_b.to(a3)
+        r = max(old_a.shape[1], a3.shape[1])
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return F.pad(t, (0, 0, 0, r - t.shape[1]))
+
+        offsets = (old_a.shape[2], old_b.shape[2])
+        self.bank_A = nn.Parameter(torch.cat([pad(old_a), pad(a3)], dim=2), requires_grad=False)
+        self.bank_B = nn.Parameter(torch.cat([pad(old_b), pad(bt3)], dim=2), requires_grad=False)
+        self._plan = None
+        return offsets
+
     def set_probs(self, probs: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Store the block's gate probabilities and build its plan (weights pre-cast to ``dtype``)."""
+        """Store the block's gate probabilities and build its plan (weights cast to ``dtype``, default the bank's)."""
         if probs.dim() != 2 or probs.shape[1] != self.n_slots:
             raise ValueError(f"gate probs must be [tokens, {self.n_slots}], got {tuple(probs.shape)}")
         self.probs = probs
-        self._plan = make_plan(probs, self.spec, self.n_adapters, self.base_slot)
-        for layer in self._layers.values():
-            self._plan.precompute(layer, dtype or layer.base.weight.dtype)
+        self._plan = make_plan(probs, self, dtype or self.bank_A.dtype)
 
     def set_spec(self, spec: RoutingSpec) -> None:
         """Route with ``spec`` from the next forward on."""
         self.spec = spec
         self._plan = None
 
-    def plan(self) -> _Plan:
+    def plan(self):
         if self._plan is None:
             raise RuntimeError("no routing plan: the block's gate pre-hook has not run since the routing was set")
         return self._plan
+
+    def extra_repr(self) -> str:
+        return f"adapters={self.n_adapters}, base_slot={self.base_slot}, rank={self.rank}, spec={self.spec}"
 
 
 class BlockGate(nn.Linear):
@@ -268,10 +275,11 @@ class BlockGate(nn.Linear):
 
 
 class LoRAMoELinear(nn.Module):
-    """A frozen base Linear plus a frozen bank of C LoRA adapters weighted by the block's gate.
+    """A frozen base Linear plus its columns of the block's frozen bank of C LoRA adapters, weighted by the
+    block's gate.
 
-    Built from per-adapter factors (A_c [r_c, d_in], B_c [d_out, r_c], scale s_c); ranks are padded
-    with zeros to r = max r_c (no change to any B_c A_c).
+    Built from per-adapter factors (A_c [r_c, d_in], B_c [d_out, r_c], scale s_c), which it appends to
+    ``routing``'s bank (ranks zero-padded to the block's largest).
     """
 
     def __init__(
@@ -292,29 +300,22 @@ class LoRAMoELinear(nn.Module):
         self.ranks = [int(a.shape[0]) for a, _ in factors]
         r = max(self.ranks)
         C = len(factors)
-        A = torch.zeros(C * r, d_in, dtype=base.weight.dtype, device=base.weight.device)
-        B = torch.zeros(d_out, C * r, dtype=base.weight.dtype, device=base.weight.device)
-        for c, (a, b) in enumerate(factors):
+        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        a3, bt3 = torch.zeros(C, r, d_in, **kw), torch.zeros(C, r, d_out, **kw)
+        for c, ((a, b), s) in enumerate(zip(factors, scales)):
             if a.shape[1] != d_in or b.shape[0] != d_out or b.shape[1] != a.shape[0]:
                 raise ValueError(
                     f"adapter {c}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit Linear({d_in} -> {d_out})"
                 )
-            A[c * r : c * r + a.shape[0]] = a
-            B[:, c * r : c * r + a.shape[0]] = b
+            a3[c, : a.shape[0]] = a
+            bt3[c, : a.shape[0]] = (b.double() * s).t()  # the scale folded into B, rounded once
         self.base = base
-        self.A = nn.Parameter(A, requires_grad=False)
-        self.B = nn.Parameter(B, requires_grad=False)
-        self.register_buffer(
-            "scale", torch.tensor(scales, dtype=torch.float32, device=base.weight.device), persistent=False
-        )
         self.scales = [float(s) for s in scales]
-        self.rank = r
-        self.scale_key = (tuple(self.scales), r)  # projections with equal keys share the plan's scaled weights
-        self._plain_base = type(base) is nn.Linear  # F.linear directly; subclasses (quantized, ...) keep their forward
         self.n_adapters = C
-        # A plain attribute (not a submodule): the gate owns the state, projections only read it.
-        self.routing = routing
-        routing.register(self)
+        self._plain_base = type(base) is nn.Linear  # F.linear directly; subclasses (quantized, ...) keep their forward
+        # A plain attribute (not a submodule): the block's model owns the routing; projections read it.
+        object.__setattr__(self, "routing", routing)
+        self.a_cols, self.b_cols = routing.register(a3, bt3)
 
     @property
     def in_features(self) -> int:
@@ -329,61 +330,70 @@ class LoRAMoELinear(nn.Module):
         return self.base.weight
 
     @property
+    def rank(self) -> int:
+        return self.routing.rank
+
+    @property
     def A3(self) -> torch.Tensor:
-        """A bank as [C, r, d_in] (a view)."""
-        return self.A.view(self.n_adapters, self.rank, -1)
+        """This projection's A bank [C, r, d_in] (a view of the block bank)."""
+        return self.routing.bank_A[:, :, self.a_cols : self.a_cols + self.in_features]
+
+    @property
+    def Bt3(self) -> torch.Tensor:
+        """This projection's (s_c B_c)^T bank [C, r, d_out] (a view of the block bank)."""
+        return self.routing.bank_B[:, :, self.b_cols : self.b_cols + self.out_features]
 
     @property
     def B3(self) -> torch.Tensor:
-        """B bank as [C, d_out, r] (a view)."""
-        return self.B.view(-1, self.n_adapters, self.rank).permute(1, 0, 2)
+        """s_c B_c as [C, d_out, r] (a view)."""
+        return self.Bt3.transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, adapters={self.n_adapters}, rank={self.rank}"
 
-    def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out [T, d_out] + gate-weighted adapter update of x [T, d_in] under the block's current plan."""
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        """out [T, d_out] + gate-weighted adapter update of x2d [T, d_in] (x: the forward's input, whose
+        identity keys the shared input gather) under the block's current plan."""
         plan = self.routing.plan()
-        w = plan.scaled(self, x.dtype)
+        if isinstance(plan, _GatherPlan):  # [T, 1, d_in] @ [T, d_in, r] -> [T, 1, r]; + [T, 1, r] @ [T, r, d_out]
+            a0, b0 = self.a_cols, self.b_cols
+            z = torch.bmm(x2d.unsqueeze(1), plan.A[:, :, a0 : a0 + self.in_features].transpose(1, 2))
+            return torch.baddbmm(out.unsqueeze(1), z, plan.B[:, :, b0 : b0 + self.out_features]).squeeze(1)
+        C, r = self.n_adapters, self.rank
+        A, Bt = self.A3.reshape(C * r, -1), self.Bt3.reshape(C * r, -1)  # views: [C*r, d_in], [C*r, d_out]
         if isinstance(plan, _DensePlan):
-            return torch.addmm(out, F.linear(x, self.A) * w, self.B.t())
-        if isinstance(plan, _GatherPlan):  # [T, r, d_in] @ [T, d_in, 1] -> [T, r, 1]; [T, d_out, r] @ -> [T, d_out, 1]
-            z = torch.bmm(self.A3.index_select(0, plan.index), x.unsqueeze(-1)) * w
-            return out.unsqueeze(-1).baddbmm_(self.B3.index_select(0, plan.index), z).squeeze(-1)
-        if plan.impl == "grouped_mm" or (x.is_cuda and self._grouped_mm_fits(x)):
-            return self._grouped_mm_delta(out, x, plan, w)
-        return self._loop_delta(out, x, plan, w)
+            return torch.addmm(out, F.linear(x2d, A) * plan.weights, Bt)
+        if plan.impl == "grouped_mm" or (x2d.is_cuda and self._grouped_mm_fits(x2d)):
+            return self._grouped_mm_delta(out, x, x2d, plan)
+        return self._loop_delta(out, x, x2d, plan, A, Bt)
 
     def _grouped_mm_fits(self, x: torch.Tensor) -> bool:
         """torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows."""
         dims = (self.rank, self.in_features, self.out_features)
-        return x.dtype == self.A.dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
+        return x.dtype == self.routing.bank_A.dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
 
-    def _grouped_mm_delta(self, out: torch.Tensor, x: torch.Tensor, plan: _GroupPlan, w: torch.Tensor) -> torch.Tensor:
-        """Gather the sorted pairs' inputs, one grouped GEMM per factor (device offsets), index_add_ back."""
-        xs = x.index_select(0, plan.tokens)
-        z = torch._grouped_mm(xs, self.A3.transpose(1, 2), offs=plan.offsets) * w.unsqueeze(-1)  # [P, r]
-        y = torch._grouped_mm(z, self.B3.transpose(1, 2), offs=plan.offsets)  # [P, d_out]
+    def _grouped_mm_delta(self, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor, plan: _GroupPlan) -> torch.Tensor:
+        """The sorted pairs' weighted inputs, one grouped GEMM per factor (device offsets), back to token order."""
+        z = torch._grouped_mm(plan.gather_input(x, x2d, 0), self.A3.transpose(1, 2), offs=plan.offsets)  # [P, r]
+        y = torch._grouped_mm(z, self.Bt3, offs=plan.offsets)  # [P, d_out]
         if plan.k == 1:
             return out.add_(y.index_select(0, plan.inverse))
         return out.index_add_(0, plan.tokens, y)
 
-    def _loop_delta(self, out: torch.Tensor, x: torch.Tensor, plan: _GroupPlan, w: torch.Tensor) -> torch.Tensor:
+    def _loop_delta(self, out, x, x2d, plan: _GroupPlan, A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
         """Each expert on its contiguous slice of the sorted pairs (group bounds read on the host)."""
         r = self.rank
         groups = plan.groups
         if not groups:  # every token chose the base slot
             return out
-        w = w.unsqueeze(-1)
         if plan.identity:  # one expert for all tokens, in order: no gather/scatter
             a = groups[0][0]
-            return torch.addcmul(out, F.linear(F.linear(x, self.A[a * r : a * r + r]), self.B[:, a * r : a * r + r]), w)
+            return torch.addcmul(out, F.linear(x2d, A[a * r : a * r + r]) @ Bt[a * r : a * r + r], plan.weights)
         off = groups[0][1]  # base-slot pairs sort first and are skipped
-        xs = x.index_select(0, plan.tokens[off:])
+        xs = plan.gather_input(x, x2d, off)
         ys = []
         for a, s, n in groups:
-            z = F.linear(xs[s - off : s - off + n], self.A[a * r : a * r + r]) * w[s : s + n]
-            ys.append(F.linear(z, self.B[:, a * r : a * r + r]))
+            ys.append(F.linear(xs[s - off : s - off + n], A[a * r : a * r + r]) @ Bt[a * r : a * r + r])
         return out.index_add_(0, plan.tokens[off:], torch.cat(ys) if len(ys) > 1 else ys[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -396,4 +406,4 @@ class LoRAMoELinear(nn.Module):
                 f"projection saw {x2d.shape[0]} tokens but its block's gate routed {probs.shape[0]}: "
                 "LoRAMoELinear needs a projection that sees every token of the block (not per-expert MLP inputs)"
             )
-        return self.add_delta(out.reshape(-1, out.shape[-1]), x2d).view(out.shape)
+        return self.add_delta(out.reshape(-1, out.shape[-1]), x, x2d).view(out.shape)

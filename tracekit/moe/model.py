@@ -227,6 +227,7 @@ class LoRAMoEModel(nn.Module):
                 gate.bias.zero_()
             gates[str(b)] = gate.to(device)
         self.gates = nn.ModuleDict(gates)
+        self.banks = nn.ModuleDict({str(b): r for b, r in self.routings.items()})  # the frozen adapter banks
         self._hooks = [
             layers[b].register_forward_pre_hook(self._gate_hook(b), with_kwargs=True) for b in self.blocks
         ]

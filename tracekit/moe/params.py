@@ -139,11 +139,10 @@ def composed_parameter_counts(moe: nn.Module) -> dict[str, Any]:
     """Counts for a built LoRAMoEModel: backbone, each adapter (its own rank, unpadded), gates, bank storage."""
     from tracekit.moe.layer import LoRAMoELinear
 
-    banks = [m for m in moe.model.modules() if isinstance(m, LoRAMoELinear)]
-    bank_ids = {id(p) for m in banks for p in (m.A, m.B)}
-    backbone = sum(p.numel() for p in moe.model.parameters() if id(p) not in bank_ids)
+    projections = [m for m in moe.model.modules() if isinstance(m, LoRAMoELinear)]
+    backbone = count_params(moe.model)  # the banks live in moe.banks, outside the backbone
     adapters = {
-        name: sum(m.ranks[c] * (m.in_features + m.out_features) for m in banks)
+        name: sum(m.ranks[c] * (m.in_features + m.out_features) for m in projections)
         for c, name in enumerate(moe.adapter_names)
     }
     gates = count_params(moe.gates)
@@ -154,7 +153,7 @@ def composed_parameter_counts(moe: nn.Module) -> dict[str, Any]:
         "gate_per_block": gates // max(1, len(moe.gates)),
         "n_blocks": len(moe.gates),
         "n_slots": len(moe.slot_names),
-        "bank_storage": sum(m.A.numel() + m.B.numel() for m in banks),
+        "bank_storage": count_params(moe.banks),
     }
 
 
