@@ -6,8 +6,9 @@ Builds a random-init Qwen3 of each --arch shape (bf16 on GPU), adds the trainer'
 
 - peaks: a bf16 (fp32 on CPU) matmul of --peak-n^3 and a device-to-device copy (HBM bandwidth);
 - rollout, ``fast`` vs ``plain`` at each --rollout-batches: ``sample_completions`` with a
-  :class:`FastDecoder` (merged adapter, static KV cache, CUDA-graph decode steps) and with the peft
-  model itself (the transformers forward, unmerged LoRA). Prompt --prompt-len, T=1, stopping off.
+  :class:`FastDecoder` (merged adapter, static KV cache, CUDA-graph decode steps; each
+  --decode-variants entry is an attention impl, ``+compile`` adds ``compile_layers``) and with the
+  peft model itself (the transformers forward, unmerged LoRA). Prompt --prompt-len, T=1, stopping off.
   ``decode tok/s`` = B x (new tokens - 1) / (total - prefill) where prefill is timed by a run
   with one new token; ``% roofline`` = decode tok/s over B x bandwidth / bytes of weights (each
   decode step must read every weight once; the KV cache read is reported as ``kv_bytes_per_step``
@@ -17,9 +18,14 @@ Builds a random-init Qwen3 of each --arch shape (bf16 on GPU), adds the trainer'
   log_softmax/gather, peft's float32 LoRA compute, no checkpointing (the baseline); the trainer's
   ``update_on`` with chunked log-probs and the fused update kernels (``tracekit.rl.fused``: bf16
   LoRA addmm, fused RMSNorm) with selective / full / no checkpointing; and the previous default
-  (chunked log-probs, peft's LoRA forward, full checkpointing).
+  (chunked log-probs, peft's LoRA forward, full checkpointing); ``*_compile``: the fused variants
+  with every decoder layer ``torch.compile``d (checkpointing inside the compiled region).
   tokens/s, MFU against the measured matmul peak, peak memory, loss and grad norm (equal within
-  bf16 tolerance across variants). A torch.profiler table of the selective variant's top kernels.
+  bf16 tolerance across variants). A torch.profiler table of the selective variants' top kernels.
+
+Compile time is excluded from every tokens/s: each path's untimed warm-up (``warmup_seconds``)
+holds its compilation (and, for the fast rollout, its CUDA-graph captures); compile variants of
+the update warm up on the timed batch shape itself, so the timed steps reuse the artifact.
 
 Model FLOPs of the update (recompute not counted): per token 4 x N_body (forward + input-grad
 backward of frozen linears; no weight grads), per sequence 6 x layers x S^2 x d_q (causal attention
@@ -77,13 +83,16 @@ ARCHS = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# (name, path, fused update kernels, checkpointing: off | full | selective)
+# (name, path, fused update kernels, checkpointing: off | full | selective, compiled decoder layers)
 UPDATE_VARIANTS = [
-    ("plain", "plain", False, "off"),
-    ("fast_selective", "chunked", True, "selective"),
-    ("fast_full", "chunked", True, "full"),
-    ("fast_nockpt", "chunked", True, "off"),
-    ("old_chunked_full", "chunked", False, "full"),
+    ("plain", "plain", False, "off", False),
+    ("fast_selective", "chunked", True, "selective", False),
+    ("fast_full", "chunked", True, "full", False),
+    ("fast_nockpt", "chunked", True, "off", False),
+    ("old_chunked_full", "chunked", False, "full", False),
+    ("fast_selective_compile", "chunked", True, "selective", True),
+    ("fast_full_compile", "chunked", True, "full", True),
+    ("fast_nockpt_compile", "chunked", True, "off", True),
 ]
 
 
@@ -209,7 +218,12 @@ def _free(dev: torch.device) -> None:
 
 def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, weight_bytes: int) -> None:
     g = torch.Generator().manual_seed(1)
-    decoders = {f"fast_{a}": FastDecoder(tr.model, attention=a) for a in args.decode_attention.split(",")}
+    decoders = {}
+    for v in args.decode_variants.split(","):
+        attention, _, comp = v.partition("+")
+        if comp not in ("", "compile"):
+            raise SystemExit(f"--decode-variants entry {v!r}: an attention impl, optionally +compile")
+        decoders["fast_" + v.replace("+", "_")] = FastDecoder(tr.model, attention=attention, compile_layers=comp == "compile")
     res["rollout"] = []
     for B in [int(x) for x in args.rollout_batches.split(",")]:
         prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
@@ -220,12 +234,12 @@ def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, weig
             def run(n, engine=engine, prompts=prompts):
                 return sample_completions(engine, prompts, max_new_tokens=n, temperature=1.0, seed=0)
 
-            run(gen_len if path != "plain" else 4)  # warm-up: kernels; the fast path captures every span bucket
+            warm, _, _ = timed(dev, lambda: run(gen_len if path != "plain" else 4))  # kernels, compile, graph captures
             pre, _, _ = timed(dev, lambda: run(1))
             tot, mem, _ = timed(dev, lambda: run(gen_len))
             dec_tps = B * (gen_len - 1) / max(tot - pre, 1e-9)
             res["rollout"].append({
-                "path": path, "batch": B, "new_tokens": gen_len, "seconds": tot, "prefill_seconds": pre,
+                "path": path, "batch": B, "new_tokens": gen_len, "seconds": tot, "prefill_seconds": pre, "warmup_seconds": warm,
                 "tokens_per_s": B * gen_len / tot, "decode_tokens_per_s": dec_tps, "roofline_tokens_per_s": roof,
                 "pct_roofline": 100 * dec_tps / roof, "peak_gib": mem,
                 "kv_bytes_per_step_end": B * (args.prompt_len + gen_len) * kv_per_token,
@@ -251,7 +265,7 @@ def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, weig
     _free(dev)
 
 
-def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device) -> None:
+def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, save=None) -> None:
     from peft import set_peft_model_state_dict
 
     gen = max(1, int(args.update_len * args.completion_frac))
@@ -267,16 +281,23 @@ def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device) -> No
     fill_rollout_logprobs(tr, warm)
     fill_rollout_logprobs(tr, batch)
     names = args.update_variants.split(",") if args.update_variants else [v[0] for v in UPDATE_VARIANTS]
-    for name, path, lowp, ckpt in [v for v in UPDATE_VARIANTS if v[0] in names]:
-        set_activation_checkpointing(lm, ckpt != "off", "full" if ckpt == "off" else ckpt)
+    by_name = {v[0]: v for v in UPDATE_VARIANTS}
+    if unknown := [n for n in names if n not in by_name]:
+        raise SystemExit(f"unknown --update-variants {unknown}: one of {list(by_name)}")
+    for name, path, lowp, ckpt, comp in [by_name[n] for n in names]:  # in the order given
+        if comp:
+            torch._dynamo.reset()  # each compile variant compiles from scratch: its warm-up time is its own
+        set_activation_checkpointing(lm, ckpt != "off", "full" if ckpt == "off" else ckpt, compile=comp)
         set_fused_update_kernels(lm, lowp)
 
         def step(b, path=path):
             return plain_update(tr, b) if path == "plain" else tr.update_on(b, 0)
 
-        row = {"variant": name, "path": path, "fused_update_kernels": lowp, "checkpointing": ckpt}
+        row = {"variant": name, "path": path, "fused_update_kernels": lowp, "checkpointing": ckpt, "compiled_layers": comp}
         try:
-            step(warm)
+            # warm-up (untimed; holds the compilation): a compiled variant on the timed shape, so
+            # that the timed steps reuse its artifact instead of recompiling for a new shape
+            row["warmup_seconds"] = timed(dev, lambda: step(batch if comp else warm))[0]
             secs, mems, outs = [], [], []
             for _ in range(args.update_repeats):
                 set_peft_model_state_dict(tr.model, init)  # every timed step starts from the same adapter
@@ -298,8 +319,11 @@ def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device) -> No
             "loss": outs[0]["loss"], "grad_norm": outs[0]["grad_norm"],
         })  # fmt: skip
         res["update"].append(row)
-        if name == "fast_selective" and args.profile and dev.type == "cuda":
+        if name.startswith("fast_selective") and args.profile and dev.type == "cuda":
             row["profile_top_kernels"] = profile_kernels(lambda: step(batch))
+        if save is not None:
+            save(res)  # a run cut short still leaves every finished variant on disk
+    set_activation_checkpointing(lm, False)
     set_peft_model_state_dict(tr.model, init)
     base = next((r for r in res["update"] if r["variant"] == "plain" and "error" not in r), None)
     for r in res["update"]:
@@ -324,7 +348,7 @@ def profile_kernels(fn, top: int = 15) -> list[dict]:
     ] + [{"name": "TOTAL", "ms": total / 1e3, "pct": 100.0, "calls": sum(e.count for e in rows)}]
 
 
-def bench_arch(arch: str, args, dev: torch.device, peaks: dict) -> dict:
+def bench_arch(arch: str, args, dev: torch.device, peaks: dict, save=None) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -360,8 +384,10 @@ def bench_arch(arch: str, args, dev: torch.device, peaks: dict) -> dict:
         res["lora_params"] = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
         if args.rollout_batches:
             bench_rollout(tr, cfg, args, res, dev, weight_bytes)
+            if save is not None:
+                save(res)
         if args.update_batch > 0:
-            bench_update(tr, cfg, args, res, dev)
+            bench_update(tr, cfg, args, res, dev, save)
         del tr
     del model
     _free(dev)
@@ -377,15 +403,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128, help="new tokens of the fast path")
     ap.add_argument("--plain-gen-len", type=int, default=48, help="new tokens of the plain path (slow)")
-    ap.add_argument("--decode-attention", default="sdpa,bmm", help="FastDecoder attention impls to time (comma list)")
+    ap.add_argument(
+        "--decode-variants", default="sdpa,bmm,sdpa+compile,bmm+compile", help="FastDecoder attention impls to time, +compile: compile_layers"
+    )
     ap.add_argument("--update-batch", type=int, default=4, help="0: no update")
     ap.add_argument("--update-len", type=int, default=4096)
     ap.add_argument("--completion-frac", type=float, default=0.5)
     ap.add_argument("--update-repeats", type=int, default=2)
-    ap.add_argument("--update-variants", default="", help=f"comma list of {[v[0] for v in UPDATE_VARIANTS]} (default all)")
+    ap.add_argument("--update-variants", default="", help=f"comma list of {[v[0] for v in UPDATE_VARIANTS]}, run in this order (default all)")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--logprob-chunk", type=int, default=4096)
-    ap.add_argument("--profile", action="store_true", help="torch.profiler table of the selective variant (CUDA)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the best fast rollout and the selective updates (CUDA)")
     ap.add_argument("--peak-n", type=int, default=8192)
     ap.add_argument("--out", default=None, help="JSON path per arch; '{arch}' is replaced")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU with small sizes")
@@ -411,10 +439,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for arch in args.arch.split(","):
         if arch not in ARCHS:
             raise SystemExit(f"unknown --arch {arch!r}: one of {sorted(ARCHS)}")
-        res = bench_arch(arch, args, dev, peaks)
+        out = args.out.replace("{arch}", arch) if args.out else None
+        res = bench_arch(arch, args, dev, peaks, save=(lambda r, out=out: atomic_write_json(out, r)) if out else None)
         _print(res)
-        if args.out:
-            atomic_write_json(args.out.replace("{arch}", arch), res)
+        if out:
+            atomic_write_json(out, res)
         results.append(res)
     return results
 
@@ -431,13 +460,14 @@ def _print(res: dict) -> None:
     )
     if res.get("rollout"):
         t = Table(title="rollout")
-        for col in ("path", "batch", "e2e tok/s", "decode tok/s", "roofline tok/s", "% roofline", "fast/plain", "prefill s", "peak GiB"):
+        for col in ("path", "batch", "e2e tok/s", "decode tok/s", "roofline tok/s", "% roofline", "fast/plain", "prefill s", "warm-up s", "peak GiB"):
             t.add_column(col, justify="right")
         for r in res["rollout"]:
             sp = f"{r['speedup_vs_plain']:.1f}x" if "speedup_vs_plain" in r else ""  # fast rows only
             t.add_row(
                 r["path"], str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['decode_tokens_per_s']:.0f}",
-                f"{r['roofline_tokens_per_s']:.0f}", f"{r['pct_roofline']:.2f}", sp, f"{r['prefill_seconds']:.3f}", _gib(r["peak_gib"]),
+                f"{r['roofline_tokens_per_s']:.0f}", f"{r['pct_roofline']:.2f}", sp, f"{r['prefill_seconds']:.3f}",
+                f"{r['warmup_seconds']:.1f}", _gib(r["peak_gib"]),
             )  # fmt: skip
         c.print(t)
         for r in res["rollout"]:
@@ -447,16 +477,16 @@ def _print(res: dict) -> None:
                 c.print(f"  b{r['batch']} {k['pct']:5.1f}% {k['ms']:8.2f} ms {k['calls']:6d}  {k['name']}")
     if res.get("update"):
         u = Table(title="update (forward + backward + AdamW)")
-        for col in ("variant", "tokens/s", "MFU %", "peak GiB", "speed vs plain", "memory plain/this", "loss", "grad norm"):
+        for col in ("variant", "tokens/s", "MFU %", "peak GiB", "speed vs plain", "memory plain/this", "loss", "grad norm", "warm-up s"):
             u.add_column(col, justify="right")
         for r in res["update"]:
             if "error" in r:
-                u.add_row(r["variant"], r["error"], "", "", "", "", "", "")
+                u.add_row(r["variant"], r["error"], "", "", "", "", "", "", "")
                 continue
             u.add_row(
                 r["variant"], f"{r['tokens_per_s']:.0f}", f"{r['mfu_pct']:.1f}", _gib(r["peak_gib"]),
                 f"{r.get('speedup_vs_plain', float('nan')):.2f}x", f"{r.get('memory_ratio_plain_over_this', float('nan')):.2f}x",
-                f"{r['loss']:.6f}", f"{r['grad_norm']:.6f}",
+                f"{r['loss']:.6f}", f"{r['grad_norm']:.6f}", f"{r['warmup_seconds']:.1f}",
             )  # fmt: skip
         c.print(u)
         for r in res["update"]:
@@ -496,9 +526,9 @@ def plot(paths: list[str], out: str) -> None:
         xs = [i + j * width for i in range(len(names))]
         axes[1].bar(xs, mfu, width, label=r["arch"])
         axes[2].bar(xs, mem, width, label=r["arch"])
-        for x, m, n in zip(xs, mfu, names):
-            if "error" in rows.get(n, {}):
-                axes[1].text(x, 0.5, "OOM", ha="center", rotation=90, fontsize=7)
+        for x, n in zip(xs, names):
+            if n not in rows or "error" in rows[n]:
+                axes[1].text(x, 0.5, "OOM" if n in rows else "not run", ha="center", rotation=90, fontsize=7)
     for ax, title in ((axes[1], "update MFU % (vs measured bf16 peak)"), (axes[2], "update peak GiB")):
         ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(names))], names, rotation=20, fontsize=7)
         ax.set_title(title)

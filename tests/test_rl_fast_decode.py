@@ -182,6 +182,10 @@ def test_hf_engine_modes(tok, peft_model):
         HFEngine(gpt2, tok, fast="on")
     with pytest.raises(ValueError, match="fast must be"):
         HFEngine(peft_model, tok, fast="yes")
+    compiled = HFEngine(peft_model, tok, compile_layers=True).decoder  # grpo.rollout_compile
+    assert compiled.compiled is not None and compiled.attention == "bmm" and eng.decoder.compiled is None
+    with pytest.raises(NotImplementedError, match="rollout_compile needs fast decoding"):
+        HFEngine(peft_model, tok, fast="off", compile_layers=True)
 
 
 def _forced(engine, prompts, forced, pad: int = 0) -> torch.Tensor:
@@ -197,9 +201,10 @@ def _forced(engine, prompts, forced, pad: int = 0) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def _check_against_float32(tok, device: str, dtype: torch.dtype) -> dict[str, float]:
-    """Fast decoding (each attention, graphs on/off) vs the plain path, both teacher-forced along the
-    plain path's greedy tokens, against a float32 full-forward reference. -> max errors by path."""
+def _check_against_float32(tok, device: str, dtype: torch.dtype, compiled: tuple[bool, ...] = (False,)) -> dict[str, float]:
+    """Fast decoding (each attention, graphs on/off, each of ``compiled``) vs the plain path, both
+    teacher-forced along the plain path's greedy tokens, against a float32 full-forward reference.
+    -> max errors by path."""
     model = _adapted(len(tok), seed=5, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, head_dim=32)
     ref_model = model.to(device)
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 130, 64, 1, 90)]
@@ -216,8 +221,9 @@ def _check_against_float32(tok, device: str, dtype: torch.dtype) -> dict[str, fl
         errs = {"plain": (_forced(model, prompts, forced) - ref).abs().max().item()}
         for attention in ("sdpa", "bmm"):
             for graphs in (True, False):
-                dec = FastDecoder(model, attention=attention, cuda_graphs=graphs)
-                errs[f"{attention}/graphs={dec.cuda_graphs}"] = (_forced(dec, prompts, forced) - ref).abs().max().item()
+                for comp in compiled:
+                    dec = FastDecoder(model, attention=attention, cuda_graphs=graphs, compile_layers=comp)
+                    errs[f"{attention}/graphs={dec.cuda_graphs}/compiled={comp}"] = (_forced(dec, prompts, forced) - ref).abs().max().item()
     return errs
 
 
@@ -228,7 +234,61 @@ def test_teacher_forced_fast_paths_match_float32_on_cpu(tok):
 
 @pytest.mark.gpu
 def test_gpu_fast_paths_within_bf16_tolerance(tok):
-    errs = _check_against_float32(tok, "cuda", torch.bfloat16)
-    assert "sdpa/graphs=True" in errs and errs["plain"] > 0, errs
+    errs = _check_against_float32(tok, "cuda", torch.bfloat16, compiled=(False, True))
+    assert "sdpa/graphs=True/compiled=True" in errs and errs["plain"] > 0, errs
     for k, e in errs.items():  # bf16 weights/activations: as far from float32 as the plain bf16 path
         assert e <= 2 * errs["plain"] + 0.02, errs
+
+
+def test_compiled_decode_layers_equal_eager_with_one_artifact_for_all_layers(tok):
+    """compile_layers: same greedy tokens and log-probs as the uncompiled core; the layers share the
+    compiled artifact (graphs: one static, then one dynamic in the attended length, whatever the
+    layer count), and a repeat compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    model = _adapted(len(tok), num_hidden_layers=3)
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    ref = sample_completions(FastDecoder(model), PROMPTS, **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    dec = FastDecoder(model, compile_layers=True)
+    _same(ref, sample_completions(dec, PROMPTS, **kw), atol=1e-5)
+    graphs = counters["stats"]["unique_graphs"]
+    assert dec.compiled is not None and 1 <= graphs <= 2, dict(counters["stats"])
+    _same(ref, sample_completions(dec, PROMPTS, **kw), atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs
+    with pytest.raises(NotImplementedError, match="compile_layers needs dense MLPs"):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+        FastDecoder(Qwen3MoeForCausalLM(cfg), compile_layers=True)
+
+
+def test_compile_backend_failure_falls_back_to_eager(tok, monkeypatch, caplog):
+    """No working C++ compiler for inductor's CPU code: decoding and the update run uncompiled, logged."""
+    import torch._inductor.config as inductor_config
+
+    from tracekit.rl.trainer import causal_lm, sequence_logprobs, set_activation_checkpointing
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached artifact would need no compiler
+    torch._dynamo.reset()
+    model = _adapted(len(tok), num_hidden_layers=2)  # the failure in layer 0 switches layer 1 off too
+    kw = dict(max_new_tokens=3, temperature=0.0)
+    ref = sample_completions(FastDecoder(model), PROMPTS[:2], **kw)
+    dec = FastDecoder(model, compile_layers=True)
+    with caplog.at_level("WARNING"):
+        _same(ref, sample_completions(dec, PROMPTS[:2], **kw))
+        assert dec.compiled is None and "decoding uncompiled" in caplog.text
+        ids = torch.tensor([PROMPTS[1]])
+        mask = torch.ones_like(ids)
+        want = sequence_logprobs(model, ids, mask, mask)
+        set_activation_checkpointing(causal_lm(model), False, compile=True)
+        torch._dynamo.reset()
+        got = sequence_logprobs(model, ids, mask, mask)
+        assert "compiled layers off, running eagerly" in caplog.text
+    assert torch.allclose(want, got, atol=1e-6)
+    set_activation_checkpointing(causal_lm(model), False)
+    assert all("forward" not in layer.__dict__ for layer in causal_lm(model).model.layers)
+

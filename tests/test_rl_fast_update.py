@@ -182,7 +182,8 @@ def test_new_settings_validate():
 
 
 @pytest.mark.gpu
-def test_gpu_fused_bf16_update_matches_float32_within_bf16_tolerance():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_fused_bf16_update_matches_float32_within_bf16_tolerance(compiled):
     batch = [t.cuda() for t in _batch(lengths=(200, 150, 90))]
     ref_model = _model(seed=3).cuda()  # float32 backbone: the reference
     ref = _loss_and_grads(ref_model, *batch)
@@ -191,8 +192,43 @@ def test_gpu_fused_bf16_update_matches_float32_within_bf16_tolerance():
         if "lora_" not in n:
             p.data = p.data.to(torch.bfloat16)
     set_fused_update_kernels(causal_lm(model), True)
-    set_activation_checkpointing(causal_lm(model), True, "selective")
+    set_activation_checkpointing(causal_lm(model), True, "selective", compile=compiled)
     out = _loss_and_grads(model, *batch)
     assert all(g.dtype == torch.float32 for g in out[2].values())
     for k, g in ref[2].items():
         assert (out[2][k] - g).norm() <= 0.05 * g.norm() + 1e-6, k
+
+
+@pytest.mark.parametrize("policy", ["full", pytest.param("selective", marks=pytest.mark.slow), pytest.param("off", marks=pytest.mark.slow)])
+def test_compiled_layers_give_the_same_loss_and_gradients(policy):
+    """Every decoder layer through one compiled function, checkpointing (if on) inside it: loss,
+    log-probs and adapter gradients equal the eager fused path; transformers' own checkpointing
+    stays off; compile=False restores the eager layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    torch._dynamo.reset()
+    model = _model()
+    lm = causal_lm(model)
+    set_fused_update_kernels(lm, True)
+    batch = _batch()
+    ref = _loss_and_grads(model, *batch)
+    set_activation_checkpointing(lm, policy != "off", "full" if policy == "off" else policy, compile=True)
+    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and all("forward" in m.__dict__ and not m.gradient_checkpointing for m in layers)
+    _close(ref, _loss_and_grads(model, *batch), tol=1e-5)
+    set_activation_checkpointing(lm, False)
+    assert all("forward" not in m.__dict__ for m in layers)
+    _close(ref, _loss_and_grads(model, *batch), tol=1e-6)
+
+
+def test_trainer_compile_update_installs_compiled_layers(tmp_path):
+    """grpo.compile_update: the trainer's decoder layers run through the compiled wrapper, with the
+    configured checkpoint policy inside it (compilation itself happens at the first forward)."""
+    from tracekit.rl.toy import KeywordSuite, tiny_tokenizer
+    from tracekit.rl.trainer import GRPOTrainer
+
+    tok = tiny_tokenizer()
+    s = GRPOSettings(compile_update=True, gradient_checkpointing=True, checkpoint_policy="full", lora=LoraSettings(rank=4, alpha=8))
+    tr = GRPOTrainer(tiny_model(len(tok), seed=0), tok, KeywordSuite(), s, tmp_path, device="cpu")
+    layers = list(causal_lm(tr.model).model.layers)
+    assert all("forward" in m.__dict__ and m._tracekit_ckpt == {"use_reentrant": False} and not m.gradient_checkpointing for m in layers)

@@ -150,6 +150,8 @@ class HFEngine:
     ``fast``: ``auto`` decodes through a :class:`FastDecoder` when the architecture is supported
     (else the plain peft forward, logged once), ``on`` requires it, ``off`` never uses it.
     ``cuda_graphs``: passed to the decoder (None: on for CUDA models with dense MLPs).
+    ``compile_layers``: decode steps through the compiled layer with ``bmm`` attention (the fastest
+    compiled decode on an H200, ``benchmarks/grpo_step.py``).
     """
 
     kind = "hf"
@@ -164,6 +166,7 @@ class HFEngine:
         batch_size: int = 64,
         fast: str = "auto",
         cuda_graphs: bool | None = None,
+        compile_layers: bool = False,
     ):
         if fast not in ("auto", "on", "off"):
             raise ValueError(f"fast must be auto, on or off, got {fast!r}")
@@ -179,7 +182,13 @@ class HFEngine:
             raise NotImplementedError(f"grpo.rollout_fast=on but fast decoding does not support this model: {reason}")
         if reason is not None and fast == "auto":
             log.info("hf engine: plain peft decoding (%s)", reason)
-        self.decoder = FastDecoder(model, cuda_graphs=cuda_graphs) if reason is None else None
+        if reason is not None and compile_layers:
+            raise NotImplementedError(f"grpo.rollout_compile needs fast decoding, which is off for this model: {reason}")
+        self.decoder = (
+            FastDecoder(model, cuda_graphs=cuda_graphs, compile_layers=compile_layers, attention="bmm" if compile_layers else "sdpa")
+            if reason is None
+            else None
+        )
 
     def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
         was_training = self.model.training

@@ -284,16 +284,124 @@ class _Fused:
             row += n
 
 
-def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm, ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, as the fused kernel + one mul."""
-    return F.rms_norm(x, (x.shape[-1],), None, norm.variance_epsilon) * norm.weight
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * w
 
 
-def _add_linear(x: torch.Tensor, a: torch.Tensor, lin: _Fused) -> torch.Tensor:
+def _add_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``x + a W^T (+ b)`` for 2-D x, a; without a bias one ``addmm`` (the add rides in the GEMM)."""
-    if lin.bias is not None:
-        return x + F.linear(a, lin.weight, lin.bias)
-    return torch.addmm(x, a, lin.weight.t())
+    if b is not None:
+        return x + F.linear(a, w, b)
+    return torch.addmm(x, a, w.t())
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The per-model constants of a layer step (hashable: the compiled step specializes on them)."""
+
+    n_kv: int
+    group: int
+    head_dim: int
+    eps: float  # input / post-attention RMSNorm epsilon
+    qk_eps: float  # q_norm / k_norm epsilon (unused without qk norms)
+    scaling: float
+    attention: str  # sdpa | bmm
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, sh: _Shape) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v per (row, KV head). q [B, Hkv, M, D]; k, v [B, Hkv, S, D]
+    (strided views of the cache); bias (0 / -inf) [B, 1, M or 1, S] for sdpa, [B * Hkv, M, S] for
+    bmm -> [B, Hkv, M, D].
+
+    ``sdpa``: one fused kernel. ``bmm`` (decode steps; prefill uses sdpa): scores by a batched GEMM
+    (bf16, scale and mask in its epilogue), softmax in float32, then P V (transformers'
+    eager-attention precision): at decode sizes (M = G query heads) a GEMM streams the cache closer
+    to bandwidth than the fused kernels' 64-row query tiles.
+    """
+    if sh.attention == "sdpa" or q.shape[2] > sh.group:  # prefill chunks: the fused kernel
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=sh.scaling)
+    B, H, M, D = q.shape
+    S = k.shape[2]
+    scores = torch.baddbmm(bias, q.reshape(B * H, M, D), k.reshape(B * H, S, D).transpose(1, 2), alpha=sh.scaling)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p, v.reshape(B * H, S, D)).view(B, H, M, D)
+
+
+def _attention_block(
+    x: torch.Tensor,
+    ln: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    qk_norm: torch.Tensor | None,
+    o_w: torch.Tensor,
+    o_b: torch.Tensor | None,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    new: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    bias: torch.Tensor,
+    sh: _Shape,
+) -> torch.Tensor:
+    """``x + o_proj(attention(rope(qk_norm(qkv_proj(rms(x))))))`` for x [B*c, H]; writes this chunk's
+    K/V into the cache views kc, vc [B, Hkv, S, D] at slots ``new`` [c] (in place).
+
+    cos, sin_signed [B, c, 1, D]; bias: see :func:`_attend`; qk_norm [Hq + Hkv, D] (q_norm then
+    k_norm weights, one RMSNorm over all heads of the contiguous qkv; v's are discarded).
+    """
+    B = kc.shape[0]
+    c = x.shape[0] // B
+    G, D, n_kv = sh.group, sh.head_dim, sh.n_kv
+    Hq = n_kv * G
+    dq, dkv = Hq * D, n_kv * D
+    half = D // 2
+    h = _rms(x, ln, sh.eps)
+    qkv = F.linear(h, qkv_w, qkv_b).view(B, c, -1)
+    if qk_norm is not None:
+        qk = F.rms_norm(qkv.view(B, c, -1, D), (D,), None, sh.qk_eps)[:, :, : Hq + n_kv] * qk_norm
+    else:
+        qk = qkv[..., : dq + dkv].view(B, c, -1, D)  # q heads then k heads
+    qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
+    v = qkv[..., dq + dkv :].view(B, c, -1, D)
+    kc.index_copy_(2, new, qk[:, :, Hq:].transpose(1, 2))
+    vc.index_copy_(2, new, v.transpose(1, 2))
+    # [B, c, Hq, D] -> [B, Hkv, G*c, D]: query head h uses KV head h // G (a view when c == 1)
+    qg = qk[:, :, :Hq].transpose(1, 2).reshape(B, n_kv, G * c, D)
+    span = bias.shape[-1]
+    o = _attend(qg, kc[:, :, :span], vc[:, :, :span], bias, sh)
+    o = o.view(B, Hq, c, D).transpose(1, 2).reshape(B * c, dq)
+    return _add_linear(x, o, o_w, o_b)
+
+
+def _dense_layer(
+    x: torch.Tensor,
+    ln: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    qk_norm: torch.Tensor | None,
+    o_w: torch.Tensor,
+    o_b: torch.Tensor | None,
+    ln2: torch.Tensor,
+    gu_w: torch.Tensor,
+    gu_b: torch.Tensor | None,
+    down_w: torch.Tensor,
+    down_b: torch.Tensor | None,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    new: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    bias: torch.Tensor,
+    sh: _Shape,
+    act,
+) -> torch.Tensor:
+    """One decoder layer with a SwiGLU MLP: ``x' = x + attn(x)``, ``x' + down(act(gate(h)) * up(h))``
+    with ``h = rms(x')``. A pure function of its tensors (the cache writes aside), so that one
+    compiled artifact serves every layer."""
+    x = _attention_block(x, ln, qkv_w, qkv_b, qk_norm, o_w, o_b, kc, vc, new, cos, sin_signed, bias, sh)
+    g, u = F.linear(_rms(x, ln2, sh.eps), gu_w, gu_b).chunk(2, dim=-1)
+    return _add_linear(x, act(g) * u, down_w, down_b)
 
 
 class FastDecoder:
@@ -303,7 +411,11 @@ class FastDecoder:
     sessions also re-merge when any source tensor's version counter moved). ``cuda_graphs``: capture
     one decode step per (batch bucket, attended-length bucket) on CUDA (None: on when the model is
     on CUDA and every MLP is dense). ``seq_bucket``: attended-length granularity of the graphs.
-    ``attention``: ``sdpa`` or ``bmm`` (see :meth:`_attend`).
+    ``attention``: ``sdpa`` or ``bmm`` (see :func:`_attend`). ``compile_layers``: run decode steps
+    through ``torch.compile`` of :func:`_dense_layer` (one artifact for all layers; RMSNorm, RoPE,
+    SiLU * up and the cache writes fuse; no cudagraphs of its own, the session captures the step);
+    dense MLPs only; if the compiler backend fails (e.g. no C++ compiler for CPU code) decoding
+    continues uncompiled with the reason logged.
     """
 
     def __init__(
@@ -314,6 +426,7 @@ class FastDecoder:
         prefill_chunk: int = 512,
         seq_bucket: int = 128,
         attention: str = "sdpa",
+        compile_layers: bool = False,
     ):
         if attention not in ("sdpa", "bmm"):
             raise ValueError(f"attention must be sdpa or bmm, got {attention!r}")
@@ -342,6 +455,8 @@ class FastDecoder:
         self.cuda_graphs = (self.dev.type == "cuda" and dense) if cuda_graphs is None else bool(cuda_graphs and self.dev.type == "cuda")
         if cuda_graphs and not dense:
             raise NotImplementedError("CUDA-graph decoding needs dense MLPs (a MoE block's routing is data-dependent)")
+        if compile_layers and not dense:
+            raise NotImplementedError("compile_layers needs dense MLPs (a MoE block runs as its own module)")
         with torch.no_grad():
             self.qkv = [_Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
             self.o = [_Fused([l.self_attn.o_proj]) for l in self.layers]
@@ -351,6 +466,11 @@ class FastDecoder:
         self.qk_norm: list[torch.Tensor] | None = None  # per layer [Hq + Hkv, D]: q_norm then k_norm weights
         self.qk_eps = getattr(getattr(att, "q_norm", None), "variance_epsilon", 0.0)
         self._stack_qk_norms()
+        norm0 = self.layers[0].input_layernorm
+        self.shape = _Shape(self.n_kv, self.group, self.head_dim, norm0.variance_epsilon, self.qk_eps, att.scaling, attention)
+        # fullgraph: a graph break would leave per-op launches inside the step; default mode: the
+        # session's own CUDA graph replays the compiled kernels (inductor's cudagraphs would nest)
+        self.compiled = torch.compile(_dense_layer, fullgraph=True) if compile_layers else None
         self._versions = self._version_key()
         self.cap_b = self.cap_s = 0
         self.k: list[torch.Tensor] = []
@@ -418,10 +538,11 @@ class FastDecoder:
 
         Few kernels per layer (each costs microseconds at decode sizes, whatever its work): fused
         RMSNorm (``F.rms_norm``, then the weight: transformers' rounding), q and k normed and
-        rotated together, residual adds folded into ``addmm``, one additive mask per step.
+        rotated together, residual adds folded into ``addmm``, one additive mask per step; with
+        ``compile_layers``, each decode step's layers run as one compiled :func:`_dense_layer`.
         """
         B, c = ids.shape
-        G, D, Hq = self.group, self.head_dim, self.n_kv * self.group
+        G = self.group
         new = slot0 + torch.arange(c, device=ids.device)  # [c]
         keys = self.slots[:span]
         # mask[b, i, j]: key j is a real token of row b at or before query i, or is query i itself
@@ -433,53 +554,35 @@ class FastDecoder:
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, c, 1, D]
-        half = D // 2
+        half = self.head_dim // 2
         sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half(x) * sin = cat(x2, x1) * this
         x = x.view(B * c, -1)
+        compiled = c == 1 and self.compiled is not None  # prefill chunks: GEMM-bound, eager
         for i, layer in enumerate(self.layers):
-            att = layer.self_attn
-            h = _rms(layer.input_layernorm, x)
-            qkv = F.linear(h, self.qkv[i].weight, self.qkv[i].bias).view(B, c, -1)
-            if self.qk_norm is not None:  # normalize all heads of the contiguous qkv (v's discarded): one kernel
-                qk = F.rms_norm(qkv.view(B, c, -1, D), (D,), None, self.qk_eps)[:, :, : Hq + self.n_kv] * self.qk_norm[i]
-            else:
-                qk = qkv[..., : self.dq + self.dkv].view(B, c, -1, D)  # q heads then k heads
-            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
-            v = qkv[..., self.dq + self.dkv :].view(B, c, -1, D)
+            ln, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            qkv, o, qkn = self.qkv[i], self.o[i], None if self.qk_norm is None else self.qk_norm[i]
             kc, vc = self.k[i][:B], self.v[i][:B]
-            kc.index_copy_(2, new, qk[:, :, Hq:].transpose(1, 2))
-            vc.index_copy_(2, new, v.transpose(1, 2))
-            # [B, c, Hq, D] -> [B, Hkv, G*c, D]: query head h uses KV head h // G (a view when c == 1)
-            qg = qk[:, :, :Hq].transpose(1, 2).reshape(B, self.n_kv, G * c, D)
-            o = self._attend(qg, kc[:, :, :span], vc[:, :, :span], bias, att.scaling)
-            o = o.view(B, Hq, c, D).transpose(1, 2).reshape(B * c, self.dq)
-            x = _add_linear(x, o, self.o[i])
-            h = _rms(layer.post_attention_layernorm, x)
-            if self.gu[i] is not None:
-                g, u = F.linear(h, self.gu[i].weight, self.gu[i].bias).chunk(2, dim=-1)
-                x = _add_linear(x, layer.mlp.act_fn(g) * u, self.down[i])
-            else:
-                out = layer.mlp(h.view(B, c, -1))
+            if self.gu[i] is None:  # a MoE block: its own module
+                x = _attention_block(x, ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, kc, vc, new, cos, sin_signed, bias, self.shape)
+                out = layer.mlp(_rms(x, ln2, self.shape.eps).view(B, c, -1))
                 x = x + (out[0] if isinstance(out, tuple) else out).reshape(B * c, -1)
-        return _rms(self.norm, x.view(B, c, -1)[:, -1])
+                continue
+            gu, dn = self.gu[i], self.down[i]
+            args = (x, ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, ln2, gu.weight, gu.bias, dn.weight, dn.bias)
+            args += (kc, vc, new, cos, sin_signed, bias, self.shape, layer.mlp.act_fn)
+            x = self._compiled_layer(*args) if compiled else _dense_layer(*args)
+        return _rms(x.view(B, c, -1)[:, -1], self.norm.weight, self.norm.variance_epsilon)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-        """softmax(q k^T * scale + bias) v per (row, KV head). q [B, Hkv, M, D]; k, v [B, Hkv, S, D]
-        (strided views of the cache); bias (0 / -inf) [B, 1, M or 1, S] for sdpa, [B * Hkv, M, S] for
-        bmm -> [B, Hkv, M, D].
-
-        ``sdpa``: one fused kernel. ``bmm`` (decode steps; prefill uses sdpa): scores by a batched GEMM (bf16, scale and mask in its
-        epilogue), softmax in float32, then P V (transformers' eager-attention precision): at
-        decode sizes (M = G query heads) a GEMM streams the cache closer to bandwidth than the
-        fused kernels' 64-row query tiles.
-        """
-        if self.attention == "sdpa" or q.shape[2] > self.group:  # prefill chunks: the fused kernel
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        B, H, M, D = q.shape
-        S = k.shape[2]
-        scores = torch.baddbmm(bias, q.reshape(B * H, M, D), k.reshape(B * H, S, D).transpose(1, 2), alpha=scale)
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(p, v.reshape(B * H, S, D)).view(B, H, M, D)
+    def _compiled_layer(self, *args) -> torch.Tensor:
+        """:func:`_dense_layer` through the compiled artifact; on a compiler-backend failure (nothing
+        ran, so the cache is untouched) log why, stop compiling, and run it eagerly."""
+        if self.compiled is not None:  # None once a failure switched compiling off (also mid-step)
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                log.warning("compile_layers off, decoding uncompiled: %s", str(e).strip().splitlines()[0])
+                self.compiled = None
+        return _dense_layer(*args)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head.weight, self.head.bias).float()

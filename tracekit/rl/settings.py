@@ -54,8 +54,10 @@ class GRPOSettings:
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"  # full (recompute whole layers) | selective (recompute elementwise ops only)
     fused_update_kernels: bool = True  # LoRA as bf16 addmm (fp32 master weights), fused RMSNorm (rl/fused.py)
+    compile_update: bool = False  # torch.compile the decoder layers of the update (checkpointing inside)
     rollout_fast: str = "auto"  # hf engine: merged-weight fast decoding: auto | on | off
     rollout_cuda_graphs: bool = True  # hf engine: CUDA-graph decode steps (CUDA, dense MLPs)
+    rollout_compile: bool = False  # hf engine: torch.compile the fast decoder's layers (bmm attention)
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     seed: int = 0
     checkpoint_every: int = 5

@@ -46,11 +46,13 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json, write_jsonl
 from tracekit.envs.base import EnvSuite
@@ -149,8 +151,6 @@ def selective_checkpoint_context():
     attention and (almost) no large GEMM (tests: 1 of the 29 large GEMMs full checkpointing redoes
     on a 2-layer model); its FLOPs are not counted as model FLOPs in the benchmark's MFU.
     """
-    from functools import partial
-
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
@@ -175,11 +175,14 @@ def selective_checkpoint_context():
     return partial(create_selective_checkpoint_contexts, policy)
 
 
-def set_activation_checkpointing(lm: torch.nn.Module, on: bool, policy: str = "full") -> None:
+def set_activation_checkpointing(lm: torch.nn.Module, on: bool, policy: str = "full", compile: bool = False) -> None:
     """Recompute activations in backward (non-reentrant: the frozen embeddings need no input grads).
 
     policy ``full``: keep each decoder layer's input only, recompute the whole layer;
     ``selective``: :func:`selective_checkpoint_context` (recompute elementwise work only).
+    ``compile``: every decoder layer runs through one ``torch.compile``d :func:`_layer_call`
+    (checkpointing, if on, inside the compiled region, so inductor fuses the elementwise ops and
+    its partitioner applies the policy); off restores the eager layers.
     transformers >= 5.2x names it ``activation_checkpointing_*``; earlier 5.x ``gradient_checkpointing_*``.
     """
     if policy not in ("full", "selective"):
@@ -187,10 +190,52 @@ def set_activation_checkpointing(lm: torch.nn.Module, on: bool, policy: str = "f
     kw: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
         kw["context_fn"] = selective_checkpoint_context()
+    hf_on = on and not compile  # compiled layers checkpoint themselves (transformers' wrapper sits outside them in 5.1x)
     if hasattr(lm, "activation_checkpointing_enable"):
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw) if on else lm.activation_checkpointing_disable()
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw) if hf_on else lm.activation_checkpointing_disable()
     else:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw) if on else lm.gradient_checkpointing_disable()
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw) if hf_on else lm.gradient_checkpointing_disable()
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if compile and not layers:
+        raise NotImplementedError(f"compile needs transformers GradientCheckpointingLayer decoder layers; {type(lm).__name__} has none")
+    runner = _CompiledLayers() if compile else None
+    for layer in layers:
+        if runner is None:
+            layer.__dict__.pop("forward", None)  # back to the class forward
+            layer.__dict__.pop("_tracekit_ckpt", None)
+        else:
+            layer._tracekit_ckpt = kw if on else None
+            layer.forward = partial(runner, layer)
+
+
+def _layer_call(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``layer``'s class forward, under a non-reentrant checkpoint with ``layer._tracekit_ckpt``'s
+    kwargs when that is set and a backward will follow (training, grad enabled)."""
+    kw = layer._tracekit_ckpt
+    forward = type(layer).forward
+    if kw is not None and layer.training and torch.is_grad_enabled():
+        return checkpoint(partial(forward, layer, **kwargs), *args, **kw)
+    return forward(layer, *args, **kwargs)
+
+
+class _CompiledLayers:
+    """Decoder layers' forwards through one compiled :func:`_layer_call` (layers share the artifact:
+    their weights are graph inputs of one shape). On a compiler-backend failure (e.g. no C++
+    compiler for CPU code) the reason is logged and the layers run eagerly from then on."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[..., Any] | None = torch.compile(_layer_call)
+
+    def __call__(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is not None:
+            try:
+                return self.fn(layer, *args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                log.warning("compiled layers off, running eagerly: %s", str(e).strip().splitlines()[0])
+                self.fn = None
+        return _layer_call(layer, *args, **kwargs)
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -337,8 +382,9 @@ class GRPOTrainer:
         model = model.to(device=self.device, dtype=dtype)
         self.model = build_peft_model(model, settings.lora, settings.seed)
         set_fused_update_kernels(causal_lm(self.model), settings.fused_update_kernels)
-        if settings.gradient_checkpointing:
-            set_activation_checkpointing(causal_lm(self.model), True, settings.checkpoint_policy)
+        if settings.gradient_checkpointing or settings.compile_update:
+            lm = causal_lm(self.model)
+            set_activation_checkpointing(lm, settings.gradient_checkpointing, settings.checkpoint_policy, compile=settings.compile_update)
         self.backend = (backend_factory or LocalBackend)(self.model, settings)
         if engine_factory is None:
             from tracekit.rl.engines import HFEngine
@@ -352,6 +398,7 @@ class GRPOTrainer:
                     batch_size=settings.rollout_batch_size,
                     fast=settings.rollout_fast,
                     cuda_graphs=None if settings.rollout_cuda_graphs else False,
+                    compile_layers=settings.rollout_compile,
                 )
 
         self.engine = engine_factory(self.model, tokenizer)
