@@ -223,7 +223,9 @@ def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, weig
         attention, _, comp = v.partition("+")
         if comp not in ("", "compile"):
             raise SystemExit(f"--decode-variants entry {v!r}: an attention impl, optionally +compile")
-        decoders["fast_" + v.replace("+", "_")] = FastDecoder(tr.model, attention=attention, compile_layers=comp == "compile")
+        decoders["fast_" + v.replace("+", "_")] = FastDecoder(
+            tr.model, attention=attention, compile_layers=comp == "compile", seq_bucket=args.seq_bucket
+        )
     res["rollout"] = []
     for B in [int(x) for x in args.rollout_batches.split(",")]:
         prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
@@ -297,12 +299,12 @@ def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, save=
         try:
             # warm-up (untimed; holds the compilation): a compiled variant on the timed shape, so
             # that the timed steps reuse its artifact instead of recompiling for a new shape
+            _free(dev)  # each variant starts from an empty allocator cache; its warm-up step fills it
             row["warmup_seconds"] = timed(dev, lambda: step(batch if comp else warm))[0]
             secs, mems, outs = [], [], []
-            for _ in range(args.update_repeats):
+            for _ in range(args.update_repeats):  # steady state, as in training: the allocator cache stays warm
                 set_peft_model_state_dict(tr.model, init)  # every timed step starts from the same adapter
                 tr.backend = LocalBackend(tr.model, tr.s)
-                _free(dev)
                 sec, mem, out = timed(dev, lambda: step(batch))
                 secs.append(sec)
                 mems.append(mem)
@@ -348,40 +350,50 @@ def profile_kernels(fn, top: int = 15) -> list[dict]:
     ] + [{"name": "TOTAL", "ms": total / 1e3, "pct": 100.0, "calls": sum(e.count for e in rows)}]
 
 
-def bench_arch(arch: str, args, dev: torch.device, peaks: dict, save=None) -> dict:
+def build_trainer(arch: str, dev: torch.device, out_dir: str, *, lora_rank: int, microbatch_tokens: int, logprob_chunk: int,
+                  max_len: int = 4096) -> tuple[GRPOTrainer, object]:  # fmt: skip
+    """A random-init Qwen3 of shape ``arch`` (bf16 on GPU, fp32 on CPU) under a :class:`GRPOTrainer` with a
+    trained-looking LoRA adapter (B != 0, so merging changes the weights) -> (trainer, model config)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = Qwen3Config(**ARCHS[arch], max_position_embeddings=max(40960, args.update_len + 8))
+    cfg = Qwen3Config(**ARCHS[arch], max_position_embeddings=max(40960, max_len + 8))
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     with torch.device(dev):
         model = Qwen3ForCausalLM(cfg)
     torch.set_default_dtype(default)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    res: dict = {
-        "arch": arch, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "lora_rank": args.lora_rank,
-        "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
-        "command": " ".join(["python", "benchmarks/grpo_step.py", *sys.argv[1:]]), **peaks,
-    }  # fmt: skip
     tok = tiny_tokenizer()  # only its pad/stop ids are used: prompts and batches are random ids
     settings = GRPOSettings(
-        lora=LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank, target_modules=TARGETS),
+        lora=LoraSettings(rank=lora_rank, alpha=2 * lora_rank, target_modules=TARGETS),
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-        num_minibatches=1, microbatch_tokens=args.microbatch_tokens, logprob_chunk=args.logprob_chunk, seed=0,
+        num_minibatches=1, microbatch_tokens=microbatch_tokens, logprob_chunk=logprob_chunk, seed=0,
     )  # fmt: skip
+    tr = GRPOTrainer(model, tok, KeywordSuite(), settings, out_dir, device=dev)
+    tr.engine = None  # the benchmarks build their own decoders
+    _free(dev)
+    with torch.no_grad():
+        gen = torch.Generator(device="cpu").manual_seed(5)
+        for n, p in tr.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen).to(p) * 1e-3)
+    return tr, cfg
+
+
+def bench_arch(arch: str, args, dev: torch.device, peaks: dict, save=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        tr = GRPOTrainer(model, tok, KeywordSuite(), settings, tmp, device=dev)
-        tr.engine = None  # the benchmark builds its own decoders
-        _free(dev)
-        with torch.no_grad():  # a trained-looking adapter: B != 0, so merging changes the weights
-            gen = torch.Generator(device="cpu").manual_seed(5)
-            for n, p in tr.model.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen).to(p) * 1e-3)
-        res["lora_params"] = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
+        tr, cfg = build_trainer(arch, dev, tmp, lora_rank=args.lora_rank, microbatch_tokens=args.microbatch_tokens,
+                                logprob_chunk=args.logprob_chunk, max_len=args.update_len)  # fmt: skip
+        lora = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
+        params = sum(p.numel() for p in tr.model.parameters()) - lora
+        weight_bytes = sum(p.numel() * p.element_size() for n, p in tr.model.named_parameters() if "lora_" not in n)
+        res: dict = {
+            "arch": arch, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "dtype": "bfloat16" if dev.type == "cuda" else "float32", "torch": torch.__version__, "lora_rank": args.lora_rank,
+            "params": params, "weight_bytes": weight_bytes,
+            "command": " ".join(["python", "benchmarks/grpo_step.py", *sys.argv[1:]]), **peaks, "lora_params": lora,
+        }  # fmt: skip
         if args.rollout_batches:
             bench_rollout(tr, cfg, args, res, dev, weight_bytes)
             if save is not None:
@@ -389,7 +401,6 @@ def bench_arch(arch: str, args, dev: torch.device, peaks: dict, save=None) -> di
         if args.update_batch > 0:
             bench_update(tr, cfg, args, res, dev, save)
         del tr
-    del model
     _free(dev)
     return res
 
@@ -406,6 +417,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--decode-variants", default="sdpa,bmm,sdpa+compile,bmm+compile", help="FastDecoder attention impls to time, +compile: compile_layers"
     )
+    ap.add_argument("--seq-bucket", type=int, default=64, help="FastDecoder attended-length granularity of the graphs")
     ap.add_argument("--update-batch", type=int, default=4, help="0: no update")
     ap.add_argument("--update-len", type=int, default=4096)
     ap.add_argument("--completion-frac", type=float, default=0.5)

@@ -1,4 +1,4 @@
-"""LoRA-MoE on a CUDA GPU in bf16: every top-1 implementation routes alike and agrees, one-hot gates match peft."""
+"""LoRA-MoE on a CUDA GPU in bf16: every top-1 implementation agrees up to near-tie routing flips; one-hot gates match peft."""
 
 from __future__ import annotations
 
@@ -33,11 +33,7 @@ def composed(tmp_path_factory):
         peft_model.save_pretrained(root / f"a{i}")
         dirs[f"a{i}"] = root / f"a{i}"
     backbone = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.bfloat16).cuda()
-    # Well-separated gates (top-1 vs top-2 probability margin > 0.5 here): the implementations sum in different
-    # orders, and with near-tied gates (std 1: margins of 1e-3) a bf16 rounding difference flips one token's
-    # expert in the next block, which moves its logits (and, through attention, later tokens') by far more
-    # than rounding; the flips are checked separately below.
-    return root, dirs, build_lora_moe(backbone, dirs, MoEConfig(gate_init_std=100.0, seed=1))
+    return root, dirs, build_lora_moe(backbone, dirs, MoEConfig(gate_init_std=1.0, seed=1))
 
 
 def test_top1_implementations_agree(composed):
@@ -45,15 +41,28 @@ def test_top1_implementations_agree(composed):
     out = {}
     for shape in ((4, 64), (4, 8)):
         ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0)).cuda()
-        routes = {}
+        probs = {}
         for impl in ("grouped", "grouped_mm", "masked_dense"):
             with torch.no_grad(), moe.routing(RoutingSpec(1, impl=impl)):
                 out[impl] = moe(input_ids=ids).logits.float()
-            routes[impl] = [p.argmax(-1) for p in moe.gate_probs().values()]
-        assert len(routes["masked_dense"][0].unique()) == 3 and len(routes["masked_dense"][1].unique()) == 3
+            probs[impl] = list(moe.gate_probs().values())
+        ref = probs["masked_dense"]
+        assert len(ref[0].argmax(-1).unique()) == 3
         for impl in ("grouped", "grouped_mm"):
-            assert all(torch.equal(a, b) for a, b in zip(routes[impl], routes["masked_dense"])), (shape, impl)
-            assert (out[impl] - out["masked_dense"]).abs().max() < 0.05, (shape, impl)  # bf16 rounding of the sums
+            # The paths sum in different orders: bf16 rounding may flip a near-tied token's expert in a later
+            # block (every path, the reference included, does so against a float32 model), and a flip changes
+            # that token's and, through attention, its row's later logits by far more than rounding. So: a
+            # flip only where the reference's top-2 gap is small, and rounding-level agreement on clean rows.
+            flipped = torch.zeros(shape, dtype=torch.bool, device=ids.device)  # this or an earlier position flipped
+            for p, q in zip(probs[impl], ref):  # blocks in order: a gate reads the previous blocks' output
+                moved = (p.argmax(-1) != q.argmax(-1)).view(shape)
+                top2 = q.topk(2, dim=-1).values
+                unexplained = moved & ~flipped  # no earlier flip in its row reached this token through attention
+                assert ((top2[:, 0] - top2[:, 1]).view(shape)[unexplained] < 0.1).all(), (shape, impl)
+                flipped |= moved.cummax(dim=1).values
+            clean = ~flipped.any(1)
+            assert clean.any(), (shape, impl, int(flipped.sum()))
+            assert (out[impl] - out["masked_dense"])[clean].abs().max() < 0.05, (shape, impl)  # bf16 rounding of the sums
 
 
 def test_grouped_top1_gate_gradients_match_masked_dense(composed):

@@ -410,7 +410,10 @@ class FastDecoder:
     ``refresh()`` re-merges after an optimizer step (``HFEngine.sync`` calls it each iteration;
     sessions also re-merge when any source tensor's version counter moved). ``cuda_graphs``: capture
     one decode step per (batch bucket, attended-length bucket) on CUDA (None: on when the model is
-    on CUDA and every MLP is dense). ``seq_bucket``: attended-length granularity of the graphs.
+    on CUDA and every MLP is dense). ``seq_bucket``: attended-length granularity of the graphs: each
+    step reads the KV cache up to its bucket's end, so a bucket of n slots reads n/2 unused slots on
+    average (64 instead of 128: Qwen3-1.7B, batch 64, 512-token prompts + 128 new: 15,317 -> 16,005 decoded
+    tok/s) at the cost of one capture per n tokens of length.
     ``attention``: ``sdpa`` or ``bmm`` (see :func:`_attend`). ``compile_layers``: run decode steps
     through ``torch.compile`` of :func:`_dense_layer` (one artifact for all layers; RMSNorm, RoPE,
     SiLU * up and the cache writes fuse; no cudagraphs of its own, the session captures the step);
@@ -424,7 +427,7 @@ class FastDecoder:
         *,
         cuda_graphs: bool | None = None,
         prefill_chunk: int = 512,
-        seq_bucket: int = 128,
+        seq_bucket: int = 64,
         attention: str = "sdpa",
         compile_layers: bool = False,
     ):
