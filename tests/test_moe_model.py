@@ -130,6 +130,19 @@ def test_top1_grouped_equals_masked_dense_at_model_level(qwen3):
     assert (out["grouped"] - out["masked_dense"]).abs().max() < 1e-5
 
 
+def test_inference_forward_releases_each_blocks_plan(qwen3):
+    base_dir, adapters = qwen3
+    moe = build_lora_moe(_backbone(base_dir), adapters, MoEConfig(gate_init_std=0.5))
+    with torch.no_grad():
+        moe(input_ids=IDS[:, :3])  # 6 tokens: the decode gather plan, its factors T x r x (sum of widths)
+    assert all(r._plan is None for r in moe.routings.values())  # nothing reruns a block without autograd
+    with pytest.raises(RuntimeError, match="no routing plan"):
+        moe.model.model.layers[0].self_attn.q_proj(torch.zeros(6, moe.config.hidden_size))
+    assert set(moe.gate_probs()) == set(moe.routings)  # the probabilities stay for inspection
+    moe(input_ids=IDS).logits.sum().backward()
+    assert all(r._plan is not None for r in moe.routings.values())  # a checkpointed block may rerun on it
+
+
 def test_greedy_generate_matches_peft(qwen3):
     from peft import PeftModel
 

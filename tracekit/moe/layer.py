@@ -252,6 +252,16 @@ class BlockRouting(nn.Module):
         self.probs = probs
         self._plan = make_plan(probs, self, dtype or self.bank_A.dtype)
 
+    def release(self) -> None:
+        """The block's forward is done: drop the plan's per-forward tensors (decode's gathered factors are
+        T x r x (sum of widths) per block, all blocks' alive at once otherwise). Without autograd nothing
+        reruns the block, so the whole plan goes; with it, a checkpointed block may rerun its projections
+        on the same plan, so only the shared input gather (recomputed on demand) is dropped."""
+        if not torch.is_grad_enabled():
+            self._plan = None
+        elif isinstance(self._plan, _GroupPlan):
+            self._plan._input = None
+
     def set_spec(self, spec: RoutingSpec) -> None:
         """Route with ``spec`` from the next forward on."""
         self.spec = spec

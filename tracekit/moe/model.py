@@ -230,7 +230,7 @@ class LoRAMoEModel(nn.Module):
         self.banks = nn.ModuleDict({str(b): r for b, r in self.routings.items()})  # the frozen adapter banks
         self._hooks = [
             layers[b].register_forward_pre_hook(self._gate_hook(b), with_kwargs=True) for b in self.blocks
-        ]
+        ] + [layers[b].register_forward_hook(self._release_hook(b)) for b in self.blocks]
         self.assert_frozen()
 
     def _gate_hook(self, block: int) -> Callable:
@@ -239,6 +239,14 @@ class LoRAMoEModel(nn.Module):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             h = args[0] if args else kwargs["hidden_states"]
             routing.set_probs(gate.probs(h).reshape(-1, routing.n_slots), h.dtype)
+
+        return hook
+
+    def _release_hook(self, block: int) -> Callable:
+        routing = self.routings[block]
+
+        def hook(_module: nn.Module, _args: tuple, _output: Any) -> None:
+            routing.release()
 
         return hook
 
