@@ -223,9 +223,8 @@ def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, weig
         attention, _, comp = v.partition("+")
         if comp not in ("", "compile"):
             raise SystemExit(f"--decode-variants entry {v!r}: an attention impl, optionally +compile")
-        decoders["fast_" + v.replace("+", "_")] = FastDecoder(
-            tr.model, attention=attention, compile_layers=comp == "compile", seq_bucket=args.seq_bucket
-        )
+        bucket = {"seq_bucket": args.seq_bucket} if args.seq_bucket else {}  # default: FastDecoder's
+        decoders["fast_" + v.replace("+", "_")] = FastDecoder(tr.model, attention=attention, compile_layers=comp == "compile", **bucket)
     res["rollout"] = []
     for B in [int(x) for x in args.rollout_batches.split(",")]:
         prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=g).tolist()
@@ -417,7 +416,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--decode-variants", default="sdpa,bmm,sdpa+compile,bmm+compile", help="FastDecoder attention impls to time, +compile: compile_layers"
     )
-    ap.add_argument("--seq-bucket", type=int, default=64, help="FastDecoder attended-length granularity of the graphs")
+    ap.add_argument("--seq-bucket", type=int, default=None, help="FastDecoder attended-length granularity of the graphs (default: its own)")
     ap.add_argument("--update-batch", type=int, default=4, help="0: no update")
     ap.add_argument("--update-len", type=int, default=4096)
     ap.add_argument("--completion-frac", type=float, default=0.5)

@@ -374,33 +374,14 @@ def _attention_block(
     return _add_linear(x, o, o_w, o_b)
 
 
-def _dense_layer(
-    x: torch.Tensor,
-    ln: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_b: torch.Tensor | None,
-    qk_norm: torch.Tensor | None,
-    o_w: torch.Tensor,
-    o_b: torch.Tensor | None,
-    ln2: torch.Tensor,
-    gu_w: torch.Tensor,
-    gu_b: torch.Tensor | None,
-    down_w: torch.Tensor,
-    down_b: torch.Tensor | None,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    new: torch.Tensor,
-    cos: torch.Tensor,
-    sin_signed: torch.Tensor,
-    bias: torch.Tensor,
-    sh: _Shape,
-    act,
-) -> torch.Tensor:
+def _dense_layer(x: torch.Tensor, attn: tuple, mlp: tuple, act) -> torch.Tensor:
     """One decoder layer with a SwiGLU MLP: ``x' = x + attn(x)``, ``x' + down(act(gate(h)) * up(h))``
-    with ``h = rms(x')``. A pure function of its tensors (the cache writes aside), so that one
-    compiled artifact serves every layer."""
-    x = _attention_block(x, ln, qkv_w, qkv_b, qk_norm, o_w, o_b, kc, vc, new, cos, sin_signed, bias, sh)
-    g, u = F.linear(_rms(x, ln2, sh.eps), gu_w, gu_b).chunk(2, dim=-1)
+    with ``h = rms(x')``. ``attn``: :func:`_attention_block`'s arguments after x; ``mlp``: (ln2 weight,
+    gate_up weight, bias, down weight, bias). A pure function of its tensors (the cache writes
+    aside), so that one compiled artifact serves every layer."""
+    ln2, gu_w, gu_b, down_w, down_b = mlp
+    x = _attention_block(x, *attn)
+    g, u = F.linear(_rms(x, ln2, attn[-1].eps), gu_w, gu_b).chunk(2, dim=-1)
     return _add_linear(x, act(g) * u, down_w, down_b)
 
 
@@ -450,7 +431,6 @@ class FastDecoder:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(att, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = cfg.num_attention_heads // self.n_kv
-        self.dq, self.dkv = cfg.num_attention_heads * self.head_dim, self.n_kv * self.head_dim
         self.dev = self.head.weight.device
         self.dtype = self.head.weight.dtype
         self.prefill_chunk, self.seq_bucket = prefill_chunk, seq_bucket
@@ -467,10 +447,10 @@ class FastDecoder:
             self.down = [_Fused(_dense_mlp(l.mlp)[2:]) if _dense_mlp(l.mlp) else None for l in self.layers]
         self._fused = [f for f in (*self.qkv, *self.o, *self.gu, *self.down) if f is not None]
         self.qk_norm: list[torch.Tensor] | None = None  # per layer [Hq + Hkv, D]: q_norm then k_norm weights
-        self.qk_eps = getattr(getattr(att, "q_norm", None), "variance_epsilon", 0.0)
         self._stack_qk_norms()
+        qk_eps = getattr(getattr(att, "q_norm", None), "variance_epsilon", 0.0)
         norm0 = self.layers[0].input_layernorm
-        self.shape = _Shape(self.n_kv, self.group, self.head_dim, norm0.variance_epsilon, self.qk_eps, att.scaling, attention)
+        self.shape = _Shape(self.n_kv, self.group, self.head_dim, norm0.variance_epsilon, qk_eps, att.scaling, attention)
         # fullgraph: a graph break would leave per-op launches inside the step; default mode: the
         # session's own CUDA graph replays the compiled kernels (inductor's cudagraphs would nest)
         self.compiled = torch.compile(_dense_layer, fullgraph=True) if compile_layers else None
@@ -565,14 +545,14 @@ class FastDecoder:
             ln, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             qkv, o, qkn = self.qkv[i], self.o[i], None if self.qk_norm is None else self.qk_norm[i]
             kc, vc = self.k[i][:B], self.v[i][:B]
+            attn = (ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, kc, vc, new, cos, sin_signed, bias, self.shape)
             if self.gu[i] is None:  # a MoE block: its own module
-                x = _attention_block(x, ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, kc, vc, new, cos, sin_signed, bias, self.shape)
+                x = _attention_block(x, *attn)
                 out = layer.mlp(_rms(x, ln2, self.shape.eps).view(B, c, -1))
                 x = x + (out[0] if isinstance(out, tuple) else out).reshape(B * c, -1)
                 continue
             gu, dn = self.gu[i], self.down[i]
-            args = (x, ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, ln2, gu.weight, gu.bias, dn.weight, dn.bias)
-            args += (kc, vc, new, cos, sin_signed, bias, self.shape, layer.mlp.act_fn)
+            args = (x, attn, (ln2, gu.weight, gu.bias, dn.weight, dn.bias), layer.mlp.act_fn)
             x = self._compiled_layer(*args) if compiled else _dense_layer(*args)
         return _rms(x.view(B, c, -1)[:, -1], self.norm.weight, self.norm.variance_epsilon)
 
