@@ -7,7 +7,8 @@ Compares, on one random-init backbone (Qwen3-1.7B shape by default, bf16 on GPU)
   moe_grouped       the composed model: 4 adapters, per-block gates, top-1, pairs sorted by expert on
                     the device once per block (the library default; on CUDA bf16 it runs the same
                     torch._grouped_mm backend as moe_grouped_mm, elsewhere a loop over experts)
-  moe_grouped_mm    gather, torch._grouped_mm x2 with device-side offsets, index_add_ (no host sync)
+  moe_grouped_mm    gather, torch._grouped_mm x2 with device-side offsets, back to token order by
+                    index_add_ (or, over INDEX_ADD_MAX_PAIRS tokens, by the inverse permutation); no host sync
   moe_masked_dense  every expert computed, non-chosen weights zeroed (reference)
 for prefill (one forward over batch x seq tokens, last-position logits only, as generate's prefill)
 and decode (per-step time of single-token forwards on a KV cache). Adapters: rank --rank on all

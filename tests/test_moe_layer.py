@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tracekit.moe.layer import (
+    INDEX_ADD_MAX_PAIRS,
     BlockRouting,
     LoRAMoELinear,
     RoutingSpec,
@@ -29,7 +30,7 @@ def _bank(ranks, d_in=6, d_out=5, seed=0, base_slot=False, spec=RoutingSpec(1)):
 
 def _explicit(x, base, factors, scales, w):
     """W x + b + sum_c w[:, c] * s_c * B_c A_c x, term by term."""
-    out = x @ base.weight.T + base.bias
+    out = x @ base.weight.T + (base.bias if base.bias is not None else 0)
     for c, ((A, B), s) in enumerate(zip(factors, scales)):
         out = out + w[:, c : c + 1] * s * (x @ A.T @ B.T)
     return out
@@ -98,19 +99,22 @@ def _cpu_grouped_mm() -> bool:
 
 
 @pytest.mark.skipif(not _cpu_grouped_mm(), reason="torch._grouped_mm does not run on CPU in this torch")
-@pytest.mark.parametrize("k,base_slot", [(1, False), (2, True)])
-def test_grouped_mm_equals_masked_dense(k, base_slot):
-    # torch._grouped_mm wants 16-byte aligned rows: float32 widths and rank multiples of 4
+@pytest.mark.parametrize("k,base_slot,tokens", [(1, False, 11), (2, True, 11), (1, True, INDEX_ADD_MAX_PAIRS + 5)])
+def test_grouped_mm_equals_masked_dense(k, base_slot, tokens):
+    # torch._grouped_mm wants 16-byte aligned rows: float32 widths and rank multiples of 4. Top-1 over more
+    # than INDEX_ADD_MAX_PAIRS tokens returns to token order by the inverse permutation, not index_add_
     layer, _, _ = _bank([4, 8, 4], d_in=8, d_out=16, base_slot=base_slot)
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(11, 8, generator=g)
-    p = torch.softmax(3 * torch.randn(11, layer.routing.n_slots, generator=g), -1)
+    x = torch.randn(tokens, 8, generator=g)
+    p = torch.softmax(3 * torch.randn(tokens, layer.routing.n_slots, generator=g), -1)
     outs = {}
     for impl in ("grouped_mm", "masked_dense"):
         layer.routing.spec = RoutingSpec(k, False, impl)
         layer.routing.set_probs(p)
         with torch.no_grad():
             outs[impl] = layer(x)
+        if impl == "grouped_mm":
+            assert (layer.routing.plan().inverse is not None) == (k == 1 and tokens > INDEX_ADD_MAX_PAIRS)
     assert torch.allclose(outs["grouped_mm"], outs["masked_dense"], rtol=1e-5, atol=1e-5)
 
 
@@ -212,3 +216,21 @@ def test_shared_input_gather_is_keyed_by_tensor_identity():
     assert plan._input[2] is not gathered
     routing.set_probs(p)
     assert torch.allclose(k(other), fresh) and torch.allclose(q(x), out)
+
+
+def test_bank_views_follow_a_dtype_move():
+    # projections cache views of the bank; a .to() gives the bank new storage and the views must follow it
+    routing, layers, refs = _block([(6, 5), (6, 3), (4, 6)], [[2, 3], [2, 3], [4, 1]])
+    g = torch.Generator().manual_seed(10)
+    p = torch.softmax(3 * torch.randn(5, 2, generator=g), -1)
+    routing.spec = RoutingSpec(None)
+    routing.set_probs(p)
+    x = torch.randn(5, 6, generator=g)
+    layers[0](x)  # builds the float32 views
+    nn.ModuleList([routing, *layers]).double()
+    routing.set_probs(p)
+    factors, scales = refs[0]
+    want = _explicit(x.double(), layers[0].base, [(A.double(), B.double()) for A, B in factors], scales, p.double())
+    got = layers[0](x.double())
+    assert got.dtype == torch.float64 and layers[0].bank_views().A.dtype == torch.float64
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)  # the bank was built, and rounded, in float32

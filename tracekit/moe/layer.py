@@ -19,9 +19,15 @@ p = softmax(gate(h)), gate = Linear(d -> C). Routing modes (:class:`RoutingSpec`
     the block's projections are gathered in two kernels, then each projection is two batched rank-r
     products (shrink, expand-and-add): decode is bound by kernel launches, and this is the fewest;
   - otherwise (prefill, top-k): (token, slot) pairs sorted by expert; each projection gathers the
-    pairs' inputs (once per input tensor: q, k and v share theirs) and runs ``torch._grouped_mm``
-    with device-side group offsets (CUDA bf16, 16-byte aligned rows) or a loop over experts on
-    contiguous slices of the sorted pairs (elsewhere; group bounds read on the host once per block).
+    pairs' inputs (once per input tensor: q, k and v share theirs), runs ``torch._grouped_mm`` with
+    device-side group offsets (CUDA bf16, 16-byte aligned rows) or a loop over experts on contiguous
+    slices of the sorted pairs (elsewhere; group bounds read on the host once per block), and adds
+    the result back in token order.
+  Eager prefill at batch 1 is bound by host time per op, so a projection's bank views are built once
+  (cached until the bank's storage changes) and a sorted-path projection over at most
+  ``INDEX_ADD_MAX_PAIRS`` pairs costs three kernels (scatter back with one ``index_add_``); above that
+  the GPU is the bound, and top-1 gathers back through the inverse permutation instead (bf16 atomics
+  cost 2-3x a gather-and-add: 91 vs 35 us at 2048 x 6144 on an H200).
   ``impl="grouped_mm"`` forces the ``torch._grouped_mm`` backend for the sorted pairs (a private
   torch API: bf16 grouped GEMM on sm90+ GPUs, a loop elsewhere). ``impl="masked_dense"`` computes
   every expert with the non-kept weights zeroed (the reference the grouped paths are tested against).
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +85,11 @@ class RoutingSpec:
             raise ValueError(f"impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8); torch is {torch.__version__}")
 
 
+# Sorted pairs up to which results go back to token order by one index_add_ (host-bound regime) rather than
+# a gather and an add (one launch more, less GPU time). H200, Qwen3-1.7B shape, 4 adapters: prefill 1 x 2048
+# 1.06-1.10x peft_1 with index_add_ vs 1.18-1.21x without; 8 x 2048 0.95x with it vs 0.76x without.
+INDEX_ADD_MAX_PAIRS = 4096
+
 # --------------------------------------------------------------------------- pure routing math
 
 
@@ -104,37 +116,34 @@ class _DensePlan:
     def __init__(self, weights: torch.Tensor, rank: int, dtype: torch.dtype):
         self.weights = weights.repeat_interleave(rank, dim=-1).to(dtype)
 
+    def delta(self, proj: LoRAMoELinear, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        """Two GEMMs on the [C*r, d] views, like one LoRA of rank C*r with per-token row weights."""
+        v = proj.bank_views()
+        return torch.addmm(out, F.linear(x2d, v.A) * self.weights, v.Bt)
+
 
 class _GroupPlan:
     """(token, slot) pairs sorted by adapter on the device: ``tokens``, ``adapters`` (-1 = base slot,
     sorted first), ``weights`` [P, 1] (gate weights in the activation dtype, 0 for base-slot pairs), each
-    of P = T * k pairs.
+    of P = T * k pairs; ``offsets`` [C] (int32, device): group ends, pairs of adapter <= c (base-slot
+    pairs, weight 0, join group 0); ``inverse`` [T]: top-1 over more than ``INDEX_ADD_MAX_PAIRS`` tokens,
+    each token's position in the sorted order (None otherwise: results are scattered back with index_add_).
 
-    Group offsets (device) and group bounds (host, one sync) are derived lazily by the backends that
-    need them and shared by the block's projections, as is the gathered input of each input tensor.
+    Group bounds (host, one sync) are derived lazily by the loop backend and shared by the block's
+    projections, as is the gathered input of each input tensor.
     """
 
-    def __init__(self, tokens, adapters, weights, n_adapters: int, k: int, impl: str, base_slot: bool, dtype):
-        self.tokens, self.adapters, self.n_adapters, self.k, self.impl = tokens, adapters, n_adapters, k, impl
+    def __init__(self, tokens, adapters, weights, offsets, n_adapters: int, k: int, impl: str, base_slot: bool, dtype):
+        self.tokens, self.adapters, self.offsets = tokens, adapters, offsets
+        self.n_adapters, self.k, self.impl = n_adapters, k, impl
         self.weights = (weights * (adapters >= 0) if base_slot else weights).to(dtype).unsqueeze(-1)
-        self._offsets: torch.Tensor | None = None
-        self._inverse: torch.Tensor | None = None
         self._groups: list[tuple[int, int, int]] | None = None
         self._input: tuple[weakref.ref, int, torch.Tensor] | None = None
+        self._inverse: torch.Tensor | None = None
 
     @property
-    def offsets(self) -> torch.Tensor:
-        """Group ends [C] (int32, on device): pairs of adapter <= c. Base-slot pairs (weight 0) join group 0."""
-        if self._offsets is None:
-            ids = torch.arange(self.n_adapters, device=self.adapters.device, dtype=self.adapters.dtype)
-            self._offsets = torch.searchsorted(self.adapters, ids, right=True, out_int32=True)
-        return self._offsets
-
-    @property
-    def inverse(self) -> torch.Tensor:
-        """Top-1: position of each token's pair in the sorted order [T] (a gather brings results back to token
-        order without scatter-add atomics, which are slow in bf16)."""
-        if self._inverse is None:
+    def inverse(self) -> torch.Tensor | None:
+        if self._inverse is None and self.k == 1 and self.tokens.numel() > INDEX_ADD_MAX_PAIRS:
             self._inverse = torch.empty_like(self.tokens)
             self._inverse[self.tokens] = torch.arange(self.tokens.numel(), device=self.tokens.device)
         return self._inverse
@@ -165,6 +174,35 @@ class _GroupPlan:
         self._input = (weakref.ref(x), start, xs)
         return xs
 
+    def delta(self, proj: LoRAMoELinear, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        v = proj.bank_views()
+        if self.impl == "grouped_mm" or (x2d.is_cuda and v.grouped_mm_fits and x2d.dtype == torch.bfloat16):
+            return self._grouped_mm_delta(v, out, x, x2d)
+        return self._loop_delta(proj, v, out, x, x2d)
+
+    def _grouped_mm_delta(self, v: _BankViews, out, x, x2d) -> torch.Tensor:
+        """The sorted pairs' weighted inputs, one grouped GEMM per factor (device offsets), back to token order."""
+        z = torch._grouped_mm(self.gather_input(x, x2d, 0), v.A3t, offs=self.offsets)  # [P, r]
+        y = torch._grouped_mm(z, v.Bt3, offs=self.offsets)  # [P, d_out]
+        inverse = self.inverse
+        if inverse is not None:
+            return out.add_(y.index_select(0, inverse))
+        return out.index_add_(0, self.tokens, y)
+
+    def _loop_delta(self, proj: LoRAMoELinear, v: _BankViews, out, x, x2d) -> torch.Tensor:
+        """Each expert on its contiguous slice of the sorted pairs (group bounds read on the host)."""
+        groups = self.groups
+        if not groups:  # every token chose the base slot
+            return out
+        r = proj.rank
+        if self.identity:  # one expert for all tokens, in order: no gather/scatter
+            a = groups[0][0]
+            return torch.addcmul(out, F.linear(x2d, v.A[a * r : a * r + r]) @ v.Bt[a * r : a * r + r], self.weights)
+        off = groups[0][1]  # base-slot pairs sort first and are skipped
+        xs = self.gather_input(x, x2d, off)
+        ys = [F.linear(xs[s - off : s - off + n], v.A[a * r : a * r + r]) @ v.Bt[a * r : a * r + r] for a, s, n in groups]
+        return out.index_add_(0, self.tokens[off:], torch.cat(ys) if len(ys) > 1 else ys[0])
+
 
 class _GatherPlan:
     """Top-1 over few tokens (decode): every token's chosen factors of all the block's projections, gathered
@@ -176,6 +214,12 @@ class _GatherPlan:
         w = weights * (adapters >= 0) if routing.base_slot else weights
         self.A = routing.bank_A.index_select(0, index)
         self.B = routing.bank_B.index_select(0, index) * w.to(dtype).view(-1, 1, 1)
+
+    def delta(self, proj: LoRAMoELinear, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        """[T, 1, d_in] @ [T, d_in, r] -> [T, 1, r]; out + [T, 1, r] @ [T, r, d_out]."""
+        a0, b0 = proj.a_cols, proj.b_cols
+        z = torch.bmm(x2d.unsqueeze(1), self.A[:, :, a0 : a0 + proj.in_features].transpose(1, 2))
+        return torch.baddbmm(out.unsqueeze(1), z, self.B[:, :, b0 : b0 + proj.out_features]).squeeze(1)
 
 
 def make_plan(probs: torch.Tensor, routing: BlockRouting, dtype: torch.dtype):
@@ -195,7 +239,10 @@ def make_plan(probs: torch.Tensor, routing: BlockRouting, dtype: torch.dtype):
         return _GatherPlan(routing, adapters, w.reshape(-1), dtype)
     adapters, order = torch.sort(adapters, stable=True)
     tokens = order if k == 1 else order // k  # pair p of the [T, k] layout belongs to token p // k
-    return _GroupPlan(tokens, adapters, w.reshape(-1)[order], routing.n_adapters, k, spec.impl, routing.base_slot, dtype)
+    offsets = torch.searchsorted(adapters, routing.slot_ids(adapters.device), right=True, out_int32=True)
+    return _GroupPlan(
+        tokens, adapters, w.reshape(-1)[order], offsets, routing.n_adapters, k, spec.impl, routing.base_slot, dtype
+    )
 
 
 class BlockRouting(nn.Module):
@@ -214,6 +261,7 @@ class BlockRouting(nn.Module):
         self.spec = spec
         self.probs: torch.Tensor | None = None
         self._plan = None
+        self._slot_ids: torch.Tensor | None = None
         self.bank_A = nn.Parameter(torch.zeros(n_adapters, 0, 0), requires_grad=False)
         self.bank_B = nn.Parameter(torch.zeros(n_adapters, 0, 0), requires_grad=False)
 
@@ -224,6 +272,13 @@ class BlockRouting(nn.Module):
     @property
     def n_slots(self) -> int:
         return self.n_adapters + (1 if self.base_slot else 0)
+
+    def slot_ids(self, device: torch.device) -> torch.Tensor:
+        """arange(C) on ``device`` (int64), kept: the sorted path's group offsets search for it every forward."""
+        ids = self._slot_ids
+        if ids is None or ids.device != device:
+            ids = self._slot_ids = torch.arange(self.n_adapters, device=device)
+        return ids
 
     def register(self, a3: torch.Tensor, bt3: torch.Tensor) -> tuple[int, int]:
         """Append one projection's A [C, r_p, d_in] and (s B)^T [C, r_p, d_out]; -> its (A, B) column offsets.
@@ -284,6 +339,18 @@ class BlockGate(nn.Linear):
         return torch.softmax(self(h.to(self.weight.dtype)).float(), dim=-1)
 
 
+class _BankViews(NamedTuple):
+    """One projection's views of its block's bank: ``A`` [C*r, d_in], ``Bt`` [C*r, d_out] (dense and loop
+    paths), ``A3t`` [C, d_in, r] and ``Bt3`` [C, r, d_out] (grouped GEMM operands); ``grouped_mm_fits``:
+    the bank suits torch._grouped_mm's fast kernel (bf16, 16-byte aligned rows)."""
+
+    A: torch.Tensor
+    Bt: torch.Tensor
+    A3t: torch.Tensor
+    Bt3: torch.Tensor
+    grouped_mm_fits: bool
+
+
 class LoRAMoELinear(nn.Module):
     """A frozen base Linear plus its columns of the block's frozen bank of C LoRA adapters, weighted by the
     block's gate.
@@ -326,6 +393,7 @@ class LoRAMoELinear(nn.Module):
         # A plain attribute (not a submodule): the block's model owns the routing; projections read it.
         object.__setattr__(self, "routing", routing)
         self.a_cols, self.b_cols = routing.register(a3, bt3)
+        self._views: tuple[tuple[int, int], _BankViews] | None = None
 
     @property
     def in_features(self) -> int:
@@ -361,59 +429,30 @@ class LoRAMoELinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, adapters={self.n_adapters}, rank={self.rank}"
 
-    def add_delta(self, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-        """out [T, d_out] + gate-weighted adapter update of x2d [T, d_in] (x: the forward's input, whose
-        identity keys the shared input gather) under the block's current plan."""
-        plan = self.routing.plan()
-        if isinstance(plan, _GatherPlan):  # [T, 1, d_in] @ [T, d_in, r] -> [T, 1, r]; + [T, 1, r] @ [T, r, d_out]
-            a0, b0 = self.a_cols, self.b_cols
-            z = torch.bmm(x2d.unsqueeze(1), plan.A[:, :, a0 : a0 + self.in_features].transpose(1, 2))
-            return torch.baddbmm(out.unsqueeze(1), z, plan.B[:, :, b0 : b0 + self.out_features]).squeeze(1)
+    def bank_views(self) -> _BankViews:
+        """This projection's factor views, built once per bank storage (a ``.to()`` or a later registration
+        replaces it): a prefill forward at batch 1 is bound by host time per op, views included."""
+        bank_a, bank_b = self.routing.bank_A, self.routing.bank_B
+        key = (bank_a.data_ptr(), bank_b.data_ptr())
+        hit = self._views
+        if hit is not None and hit[0] == key:
+            return hit[1]
         C, r = self.n_adapters, self.rank
-        A, Bt = self.A3.reshape(C * r, -1), self.Bt3.reshape(C * r, -1)  # views: [C*r, d_in], [C*r, d_out]
-        if isinstance(plan, _DensePlan):
-            return torch.addmm(out, F.linear(x2d, A) * plan.weights, Bt)
-        if plan.impl == "grouped_mm" or (x2d.is_cuda and self._grouped_mm_fits(x2d)):
-            return self._grouped_mm_delta(out, x, x2d, plan)
-        return self._loop_delta(out, x, x2d, plan, A, Bt)
-
-    def _grouped_mm_fits(self, x: torch.Tensor) -> bool:
-        """torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows."""
-        dims = (self.rank, self.in_features, self.out_features)
-        return x.dtype == self.routing.bank_A.dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
-
-    def _grouped_mm_delta(self, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor, plan: _GroupPlan) -> torch.Tensor:
-        """The sorted pairs' weighted inputs, one grouped GEMM per factor (device offsets), back to token order."""
-        z = torch._grouped_mm(plan.gather_input(x, x2d, 0), self.A3.transpose(1, 2), offs=plan.offsets)  # [P, r]
-        y = torch._grouped_mm(z, self.Bt3, offs=plan.offsets)  # [P, d_out]
-        if plan.k == 1:
-            return out.add_(y.index_select(0, plan.inverse))
-        return out.index_add_(0, plan.tokens, y)
-
-    def _loop_delta(self, out, x, x2d, plan: _GroupPlan, A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
-        """Each expert on its contiguous slice of the sorted pairs (group bounds read on the host)."""
-        r = self.rank
-        groups = plan.groups
-        if not groups:  # every token chose the base slot
-            return out
-        if plan.identity:  # one expert for all tokens, in order: no gather/scatter
-            a = groups[0][0]
-            return torch.addcmul(out, F.linear(x2d, A[a * r : a * r + r]) @ Bt[a * r : a * r + r], plan.weights)
-        off = groups[0][1]  # base-slot pairs sort first and are skipped
-        xs = plan.gather_input(x, x2d, off)
-        ys = []
-        for a, s, n in groups:
-            ys.append(F.linear(xs[s - off : s - off + n], A[a * r : a * r + r]) @ Bt[a * r : a * r + r])
-        return out.index_add_(0, plan.tokens[off:], torch.cat(ys) if len(ys) > 1 else ys[0])
+        a3, bt3 = self.A3, self.Bt3
+        # torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows
+        fits = bank_a.dtype == torch.bfloat16 and all(d % 8 == 0 for d in (r, self.in_features, self.out_features))
+        views = _BankViews(a3.reshape(C * r, -1), bt3.reshape(C * r, -1), a3.transpose(1, 2), bt3, fits)
+        self._views = (key, views)
+        return views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.linear saves a module call per projection (decode is bound by host time per op)
-        out = F.linear(x, self.base.weight, self.base.bias) if self._plain_base else self.base(x)
         x2d = x.reshape(-1, x.shape[-1])
+        out = F.linear(x2d, self.base.weight, self.base.bias) if self._plain_base else self.base(x2d)
         probs = self.routing.probs
         if probs is not None and probs.shape[0] != x2d.shape[0]:
             raise RuntimeError(
                 f"projection saw {x2d.shape[0]} tokens but its block's gate routed {probs.shape[0]}: "
                 "LoRAMoELinear needs a projection that sees every token of the block (not per-expert MLP inputs)"
             )
-        return self.add_delta(out.reshape(-1, out.shape[-1]), x, x2d).view(out.shape)
+        return self.routing.plan().delta(self, out, x, x2d).view(*x.shape[:-1], out.shape[-1])
