@@ -16,7 +16,8 @@ seven projections, random factors, written in peft's save_pretrained format; the
 held in the backbone dtype. Variants are timed round-robin within each repeat. Gates are random
 (--gate-std) so tokens really spread over the experts; the measured expert usage is printed.
 
-Target (issue 7): moe <= 1.15 x peft_1.
+Target (issue 7): moe <= 1.15 x peft_1 on the eager forward (how tracekit's hf client serves the model);
+the --cuda-graph rows show the GPU work alone and carry no target.
 
     python benchmarks/moe_overhead.py --device cuda --out benchmarks/results/moe_overhead_h200.json
     python benchmarks/moe_overhead.py --smoke          # tiny model on CPU, seconds
@@ -46,6 +47,7 @@ from tracekit.moe.layer import RoutingSpec  # noqa: E402
 from tracekit.moe.model import MoEConfig, build_lora_moe  # noqa: E402
 
 MOE_IMPLS = ("grouped", "grouped_mm", "masked_dense")
+TARGET = 1.15  # issue 7: composed model time / peft_1 time
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -146,6 +148,21 @@ def time_decode_graphed(model, prompt: torch.Tensor, steps: int, kw: str, device
     return (time.perf_counter() - t) / steps
 
 
+def worst_ratios(rows: list[dict]) -> list[tuple[str, str, float, bool | None]]:
+    """(impl, "eager" / "CUDA-graph decode", worst ratio to peft_1, target met or None) per implementation.
+
+    The target is the eager forward, as the hf client serves the composed model; graph rows (GPU work alone)
+    carry none. A group with a failed variant in any row is left out."""
+    out = []
+    for impl in MOE_IMPLS:
+        for label, phases in (("eager", ("prefill", "decode")), ("CUDA-graph decode", ("decode_graph",))):
+            ratios = [r.get(f"moe_{impl}/peft_1") for r in rows if r["phase"] in phases]
+            if ratios and all(x is not None for x in ratios):
+                worst = max(ratios)
+                out.append((impl, label, worst, worst <= TARGET if label == "eager" else None))
+    return out
+
+
 def plot(result: dict, path: str) -> None:
     """Bar chart of each variant's time / peft_1 per measured row, with the 1.15 target line."""
     import matplotlib
@@ -161,7 +178,7 @@ def plot(result: dict, path: str) -> None:
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(rows))]
         ax.bar(xs, [r.get(f"{name}/peft_1") or 0.0 for r in rows], width, label=name)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.axhline(1.15, color="red", ls="--", lw=1, label="target 1.15")
+    ax.axhline(TARGET, color="red", ls="--", lw=1, label=f"target {TARGET} (eager)")
     ax.set_xticks(range(len(rows)), [f"{r['phase']}\n{r['batch']}x{r['seq']}" for r in rows])
     ax.set_ylabel("forward time / peft_1")
     ax.set_title(f"LoRA-MoE overhead, {result['device']}, {result['adapters']} adapters r={result['rank']}, top-1")
@@ -289,12 +306,9 @@ def main() -> None:
                 ratio = r.get(f"{n}/peft_1")
                 cells.append(f"{r[n]:>11.3f}" + (f" ({ratio:.3f}x)" if ratio is not None else " " * 9))
         print(f"{r['phase']:<8}{r['batch']:>6}{r['seq']:>6}" + "".join(cells))
-    for impl in MOE_IMPLS:
-        ratios = [r.get(f"moe_{impl}/peft_1") for r in rows]
-        if all(x is not None for x in ratios):
-            worst = max(ratios)
-            verdict = "met" if worst <= 1.15 else "NOT met"
-            print(f"moe_{impl}: worst ratio to peft_1 = {worst:.3f} (target <= 1.15: {verdict})")
+    for impl, label, worst, met in worst_ratios(rows):
+        verdict = "no target" if met is None else f"target <= {TARGET}: {'met' if met else 'NOT met'}"
+        print(f"moe_{impl}, {label}: worst ratio to peft_1 = {worst:.3f} ({verdict})")
     for r in rows:
         for name, err in r.get("errors", {}).items():
             print(f"{r['phase']} {r['batch']}: {name} failed: {err}")

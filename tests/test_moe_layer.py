@@ -227,10 +227,12 @@ def test_bank_views_follow_a_dtype_move():
     routing.set_probs(p)
     x = torch.randn(5, 6, generator=g)
     layers[0](x)  # builds the float32 views
+    assert routing._views
     nn.ModuleList([routing, *layers]).double()
+    assert not routing._views  # dropped with the move: no view keeps the float32 bank alive
     routing.set_probs(p)
     factors, scales = refs[0]
     want = _explicit(x.double(), layers[0].base, [(A.double(), B.double()) for A, B in factors], scales, p.double())
     got = layers[0](x.double())
-    assert got.dtype == torch.float64 and layers[0].bank_views().A.dtype == torch.float64
+    assert got.dtype == torch.float64 and routing.views(layers[0]).A.dtype == torch.float64
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)  # the bank was built, and rounded, in float32

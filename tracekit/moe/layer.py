@@ -118,7 +118,7 @@ class _DensePlan:
 
     def delta(self, proj: LoRAMoELinear, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         """Two GEMMs on the [C*r, d] views, like one LoRA of rank C*r with per-token row weights."""
-        v = proj.bank_views()
+        v = proj.routing.views(proj)
         return torch.addmm(out, F.linear(x2d, v.A) * self.weights, v.Bt)
 
 
@@ -143,6 +143,7 @@ class _GroupPlan:
 
     @property
     def inverse(self) -> torch.Tensor | None:
+        """Built on first use: top-1 over more than INDEX_ADD_MAX_PAIRS tokens only."""
         if self._inverse is None and self.k == 1 and self.tokens.numel() > INDEX_ADD_MAX_PAIRS:
             self._inverse = torch.empty_like(self.tokens)
             self._inverse[self.tokens] = torch.arange(self.tokens.numel(), device=self.tokens.device)
@@ -175,7 +176,8 @@ class _GroupPlan:
         return xs
 
     def delta(self, proj: LoRAMoELinear, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-        v = proj.bank_views()
+        """out + the chosen experts' updates: grouped GEMMs on CUDA bf16 (or when forced), a loop elsewhere."""
+        v = proj.routing.views(proj)
         if self.impl == "grouped_mm" or (x2d.is_cuda and v.grouped_mm_fits and x2d.dtype == torch.bfloat16):
             return self._grouped_mm_delta(v, out, x, x2d)
         return self._loop_delta(proj, v, out, x, x2d)
@@ -245,6 +247,18 @@ def make_plan(probs: torch.Tensor, routing: BlockRouting, dtype: torch.dtype):
     )
 
 
+class _BankViews(NamedTuple):
+    """One projection's views of its block's bank: ``A`` [C*r, d_in], ``Bt`` [C*r, d_out] (dense and loop
+    paths), ``A3t`` [C, d_in, r] and ``Bt3`` [C, r, d_out] (grouped GEMM operands); ``grouped_mm_fits``:
+    the bank suits torch._grouped_mm's fast kernel (bf16, 16-byte aligned rows)."""
+
+    A: torch.Tensor
+    Bt: torch.Tensor
+    A3t: torch.Tensor
+    Bt3: torch.Tensor
+    grouped_mm_fits: bool
+
+
 class BlockRouting(nn.Module):
     """One block's routing state and LoRA bank, shared by its gate (writer) and adapted projections (readers).
 
@@ -262,6 +276,7 @@ class BlockRouting(nn.Module):
         self.probs: torch.Tensor | None = None
         self._plan = None
         self._slot_ids: torch.Tensor | None = None
+        self._views: dict[int, tuple[tuple[int, int], _BankViews]] = {}  # projection's a_cols -> (bank ptrs, views)
         self.bank_A = nn.Parameter(torch.zeros(n_adapters, 0, 0), requires_grad=False)
         self.bank_B = nn.Parameter(torch.zeros(n_adapters, 0, 0), requires_grad=False)
 
@@ -279,6 +294,29 @@ class BlockRouting(nn.Module):
         if ids is None or ids.device != device:
             ids = self._slot_ids = torch.arange(self.n_adapters, device=device)
         return ids
+
+    def views(self, proj: LoRAMoELinear) -> _BankViews:
+        """``proj``'s views of the bank, built once per bank storage: an eager prefill at batch 1 is bound by
+        host time per op, views included. Dropped when the bank grows (``register``) or moves (``_apply``:
+        ``.to()``, ``.half()``, ...), so no view keeps an old storage alive; a bank swapped any other way is
+        caught by its data pointer."""
+        key = (self.bank_A.data_ptr(), self.bank_B.data_ptr())
+        hit = self._views.get(proj.a_cols)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        C, r, d_in, d_out = self.n_adapters, self.rank, proj.in_features, proj.out_features
+        a3 = self.bank_A[:, :, proj.a_cols : proj.a_cols + d_in]
+        bt3 = self.bank_B[:, :, proj.b_cols : proj.b_cols + d_out]
+        # torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows
+        fits = a3.dtype == torch.bfloat16 and all(d % 8 == 0 for d in (r, d_in, d_out))
+        views = _BankViews(a3.reshape(C * r, d_in), bt3.reshape(C * r, d_out), a3.transpose(1, 2), bt3, fits)
+        self._views[proj.a_cols] = (key, views)
+        return views
+
+    def _apply(self, fn, recurse: bool = True):
+        self._views.clear()
+        self._slot_ids = None
+        return super()._apply(fn, recurse)
 
     def register(self, a3: torch.Tensor, bt3: torch.Tensor) -> tuple[int, int]:
         """Append one projection's A [C, r_p, d_in] and (s B)^T [C, r_p, d_out]; -> its (A, B) column offsets.
@@ -298,6 +336,7 @@ class BlockRouting(nn.Module):
         self.bank_A = nn.Parameter(torch.cat([pad(old_a), pad(a3)], dim=2), requires_grad=False)
         self.bank_B = nn.Parameter(torch.cat([pad(old_b), pad(bt3)], dim=2), requires_grad=False)
         self._plan = None
+        self._views.clear()
         return offsets
 
     def set_probs(self, probs: torch.Tensor, dtype: torch.dtype | None = None) -> None:
@@ -337,18 +376,6 @@ class BlockGate(nn.Linear):
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> p [..., S] in float32 (softmax in float32 whatever the backbone dtype)."""
         return torch.softmax(self(h.to(self.weight.dtype)).float(), dim=-1)
-
-
-class _BankViews(NamedTuple):
-    """One projection's views of its block's bank: ``A`` [C*r, d_in], ``Bt`` [C*r, d_out] (dense and loop
-    paths), ``A3t`` [C, d_in, r] and ``Bt3`` [C, r, d_out] (grouped GEMM operands); ``grouped_mm_fits``:
-    the bank suits torch._grouped_mm's fast kernel (bf16, 16-byte aligned rows)."""
-
-    A: torch.Tensor
-    Bt: torch.Tensor
-    A3t: torch.Tensor
-    Bt3: torch.Tensor
-    grouped_mm_fits: bool
 
 
 class LoRAMoELinear(nn.Module):
@@ -393,7 +420,6 @@ class LoRAMoELinear(nn.Module):
         # A plain attribute (not a submodule): the block's model owns the routing; projections read it.
         object.__setattr__(self, "routing", routing)
         self.a_cols, self.b_cols = routing.register(a3, bt3)
-        self._views: tuple[tuple[int, int], _BankViews] | None = None
 
     @property
     def in_features(self) -> int:
@@ -428,22 +454,6 @@ class LoRAMoELinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, adapters={self.n_adapters}, rank={self.rank}"
-
-    def bank_views(self) -> _BankViews:
-        """This projection's factor views, built once per bank storage (a ``.to()`` or a later registration
-        replaces it): a prefill forward at batch 1 is bound by host time per op, views included."""
-        bank_a, bank_b = self.routing.bank_A, self.routing.bank_B
-        key = (bank_a.data_ptr(), bank_b.data_ptr())
-        hit = self._views
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        C, r = self.n_adapters, self.rank
-        a3, bt3 = self.A3, self.Bt3
-        # torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows
-        fits = bank_a.dtype == torch.bfloat16 and all(d % 8 == 0 for d in (r, self.in_features, self.out_features))
-        views = _BankViews(a3.reshape(C * r, -1), bt3.reshape(C * r, -1), a3.transpose(1, 2), bt3, fits)
-        self._views = (key, views)
-        return views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.linear saves a module call per projection (decode is bound by host time per op)
