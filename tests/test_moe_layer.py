@@ -219,7 +219,7 @@ def test_shared_input_gather_is_keyed_by_tensor_identity():
 
 
 def test_bank_views_follow_a_dtype_move():
-    # projections cache views of the bank; a .to() gives the bank new storage and the views must follow it
+    # the routing caches its projections' bank views; a .to() gives the bank new storage and the views follow it
     routing, layers, refs = _block([(6, 5), (6, 3), (4, 6)], [[2, 3], [2, 3], [4, 1]])
     g = torch.Generator().manual_seed(10)
     p = torch.softmax(3 * torch.randn(5, 2, generator=g), -1)

@@ -305,8 +305,7 @@ class BlockRouting(nn.Module):
         if hit is not None and hit[0] == key:
             return hit[1]
         C, r, d_in, d_out = self.n_adapters, self.rank, proj.in_features, proj.out_features
-        a3 = self.bank_A[:, :, proj.a_cols : proj.a_cols + d_in]
-        bt3 = self.bank_B[:, :, proj.b_cols : proj.b_cols + d_out]
+        a3, bt3 = proj.A3, proj.Bt3
         # torch._grouped_mm's fast kernel: bf16 operands with 16-byte aligned rows
         fits = a3.dtype == torch.bfloat16 and all(d % 8 == 0 for d in (r, d_in, d_out))
         views = _BankViews(a3.reshape(C * r, d_in), bt3.reshape(C * r, d_out), a3.transpose(1, 2), bt3, fits)
@@ -315,7 +314,6 @@ class BlockRouting(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         self._views.clear()
-        self._slot_ids = None
         return super()._apply(fn, recurse)
 
     def register(self, a3: torch.Tensor, bt3: torch.Tensor) -> tuple[int, int]:
