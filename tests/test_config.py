@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import is_dataclass
 from pathlib import Path
+from typing import get_args, get_origin, get_type_hints
 
 import pytest
 
-from tracekit.config import ConfigError, validate
+from tracekit.config import CHOICES, RANGES, Config, ConfigError, validate
 
 GROUPS = ["benchmark", "backbone", "agent", "thresholds", "analysis", "synthesis", "grpo", "moe",
           "consolidation", "llm", "eval", "launcher", "logger", "experiment"]
@@ -44,10 +46,25 @@ def test_paper_defaults(make_cfg):
     ("stages=[rollout,nope]", "stages"),
     ("analysis.discovery=pinned", "analysis.dictionary_path"),
     ("moe.impl=sparse", "moe.impl"),
-    ("consolidation.method=merge_ties", "consolidation.method"),
+    ("consolidation.method=merge_nope", "consolidation.method"),
+    # passed validation, then failed after seconds of work
+    ("moe.steps=0", "moe.steps"),
+    ("agent.max_new_tokens=0", "agent.max_new_tokens"),
+    ("benchmark.limit=0", "benchmark.limit"),
+    ("grpo.lr=-1", "grpo.lr"),
+    ("grpo.lr=0", "grpo.lr"),
+    ("grpo.keep_checkpoints=0", "grpo.keep_checkpoints"),
+    ("launcher.master_port=70000", "launcher.master_port"),
+    ("backbone.device=gpu", "backbone.device"),
+    ("benchmark.domains=[airline,telecom]", "benchmark.domains"),
+    ("user.max_turns=null", "user.max_turns"),
+    ("analysis.min_capabilities=11", "analysis.min_capabilities"),
+    ("synthesis.target_low=0.9", "synthesis.target_low"),
+    ("user=llm user.endpoint=nope", "user.endpoint"),
+    ("llm=openai llm.endpoints.user.base_url=127.0.0.1:8000", "llm.endpoints.user.base_url"),
 ])
 def test_out_of_range_values_fail_validation(make_cfg, override, key):
-    cfg = make_cfg(override)
+    cfg = make_cfg(*override.split())
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg)
 
@@ -91,3 +108,87 @@ def test_backbone_configs_agree_with_the_registry(path):
     assert (y["source"], y["chat_format"]) == (reg.source, reg.chat_format)
     assert y.get("hf_id") in (None, reg.hf_id)
     assert {k: reg.arch.get(k) for k in y.get("arch") or {}} == (y.get("arch") or {})
+
+
+def _schema_leaves(schema: type, prefix: str = ""):
+    """(pattern, type) of every leaf field of the schema (``*``: any entry of a dict of dataclasses)."""
+    for name, hint in get_type_hints(schema).items():
+        if is_dataclass(hint):
+            yield from _schema_leaves(hint, f"{prefix}{name}.")
+        elif get_origin(hint) is dict and is_dataclass(get_args(hint)[1]):
+            yield from _schema_leaves(get_args(hint)[1], f"{prefix}{name}.*.")
+        else:
+            yield f"{prefix}{name}", hint
+
+
+def _scalar_types(hint) -> set:
+    """int | None -> {int}; list[str] -> {str}; tuple[float, float] -> {float}."""
+    args = [a for a in get_args(hint) if a not in (type(None), Ellipsis)]
+    if get_origin(hint) in (list, tuple) or len(args) < len(get_args(hint)):
+        return set().union(*(_scalar_types(a) for a in args))
+    return {hint}
+
+
+# strings with no fixed set of values: names, ids, paths, URLs, module names
+FREE_TEXT = {"benchmark.name", "benchmark.task_ids", "backbone.name", "backbone.hf_id", "user.endpoint",
+             "analysis.dictionary_path", "analysis.endpoint", "synthesis.endpoint", "grpo.lora.target_modules",
+             "grpo.lora.target_parameters", "llm.endpoints.*.base_url", "llm.endpoints.*.model",
+             "llm.endpoints.*.api_key_env", "logger.project", "logger.entity", "paths.root_dir", "paths.cache_dir",
+             "paths.run_dir", "name"}
+
+
+def test_every_numeric_field_has_a_range_and_every_string_a_choice_list():
+    leaves = dict(_schema_leaves(Config))
+    numeric = {p for p, hint in leaves.items() if _scalar_types(hint) & {int, float}}
+    strings = {p for p, hint in leaves.items() if str in _scalar_types(hint)}
+    assert numeric == set(RANGES)
+    assert strings == set(CHOICES) | FREE_TEXT and not set(CHOICES) & FREE_TEXT
+
+
+@pytest.mark.parametrize("override", ["+thresholds.deltaa=0.5", "+thresholds.deltaa=", "++grpo.lora.scale=2",
+                                      "+foo=1", "++llm.endpoints.analysis.retries=1"])
+def test_added_keys_outside_the_schema_fail_validation(make_cfg, override):
+    key = override.lstrip("+").split("=")[0]
+    with pytest.raises(ConfigError, match=rf"unknown key {key} \(valid: "):
+        validate(make_cfg(override))
+
+
+def test_unknown_key_names_the_valid_keys(make_cfg):
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("+thresholds.deltaa=0.5"))
+    assert str(e.value) == "unknown key thresholds.deltaa (valid: delta, rho, k, n, undefined_er_pos)"
+
+
+def test_open_groups_take_new_keys(make_cfg):
+    from omegaconf import open_dict
+
+    from tracekit.config import EndpointConfig
+
+    cfg = make_cfg("+backbone.arch.rope_theta=1e6", "+grpo.vllm.port=8001")
+    # a new endpoint name (from a yaml file: OmegaConf 2.3 cannot `+`-add an entry to a dict of dataclasses)
+    with open_dict(cfg):
+        cfg.llm.endpoints.judge = EndpointConfig(kind="openai", base_url="http://127.0.0.1:1/v1", model="m")
+    validate(cfg)
+    cfg.llm.endpoints.judge.concurrency = 0
+    with pytest.raises(ConfigError, match=r"llm\.endpoints\.judge\.concurrency=0"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "not UTF-8 text"),
+    (b"capabilities: [", "cannot parse"),
+    (b"capabilities:\n  - name: Not Snake\n    description: x\n", "wrong schema"),
+    (b"capabilities:\n  - {name: a, description: x}\n  - {name: a, description: y}\n", "duplicate"),
+])
+def test_malformed_pinned_dictionary_fails_validation_naming_the_file(make_cfg, tmp_path, content, reason):
+    path = tmp_path / "dictionary.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=reason) as e:
+        validate(make_cfg("analysis.discovery=pinned", f"analysis.dictionary_path={path}"))
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_wellformed_pinned_dictionary_passes(make_cfg, tmp_path):
+    path = tmp_path / "dictionary.json"
+    path.write_text('{"capabilities": [{"name": "tool_use", "description": "calls tools"}]}')
+    validate(make_cfg("analysis.discovery=pinned", f"analysis.dictionary_path={path}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
+def _run(tmp_path: Path, *overrides: str, cache: str = "cache") -> tuple[subprocess.CompletedProcess, dict]:
+    env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / cache),
            "WANDB_MODE": "offline"}
     before = set((tmp_path / "outputs" / "runs").glob("*")) if (tmp_path / "outputs" / "runs").exists() else set()
     out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
@@ -41,6 +42,30 @@ def test_smoke_pipeline_runs_then_hits_the_cache(tmp_path):
     assert len(names) == 1, "the precondition of this check: both thresholds select the same capabilities"
     computed = {a["stage"] for a in swept.values() if not a["cache_hit"]}
     assert computed == {"select"}, computed
+
+    # a moved cache is a full hit on its own files (artifacts refer to each other by key, not path)
+    assert str(tmp_path / "cache") not in "".join(p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
+    shutil.move(tmp_path / "cache", tmp_path / "moved")
+    moved_out, moved = _run(tmp_path, cache="moved")
+    assert moved.keys() == used.keys() and all(a["cache_hit"] for a in moved.values())
+    assert all(a["path"].startswith(str(tmp_path / "moved")) for a in moved.values())
+    assert _table(moved_out.stdout) == _table(first.stdout)
+
+    # a COMPLETE artifact truncated mid-line is named in one line; nothing is computed from it
+    (episodes,) = {Path(a["path"]) for a in moved.values() if a["stage"] == "episodes" and
+                   (Path(a["path"]) / "summary.json").read_text().count('"kind": "base"')}
+    data = (episodes / "trajectories.jsonl").read_bytes()
+    (episodes / "trajectories.jsonl").write_bytes(data[: len(data) // 2])
+    env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "moved")}
+    bad = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("tracekit:")]
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-2000:]
+    assert f"artifact episodes/{episodes.name} is corrupt: trajectories.jsonl has" in lines[0] and "rm -r" in lines[0]
+
+
+def _table(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("|")]
 
 
 def test_threshold_sweep_multirun_from_a_plain_working_directory(tmp_path):

@@ -5,10 +5,18 @@ A stage artifact lives at ``<cache_root>/<stage>/<key>/`` and is complete iff it
 may resume from what it already wrote), and the finished directory is renamed into place in one
 ``os.replace``: a killed job never leaves anything that looks complete. A per-key file lock makes
 concurrent jobs (Hydra multirun with a parallel launcher) compute each artifact once.
+
+``COMPLETE.json`` carries a manifest of the artifact's files (size, sha256, JSONL row count). A
+lookup verifies it before the artifact is trusted: sizes and row counts always, hashes of files up to
+``HASH_ALWAYS_BYTES`` always and of larger ones when ``TRACEKIT_VERIFY=full``. A mismatch raises
+:class:`CorruptArtifact`, naming the artifact and how to recompute it; nothing is computed from it.
+Artifacts refer to each other by ``{"stage", "key"}`` (:func:`ref`), never by path, so a cache can be
+copied or moved.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from pydantic import BaseModel
 
 from tracekit.types import stable_hash
@@ -28,7 +36,23 @@ from tracekit.types import stable_hash
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE.json"
+MANIFEST_VERSION = 1
+HASH_ALWAYS_BYTES = 64 << 20  # files up to this size are hashed on every lookup; larger ones on TRACEKIT_VERIFY=full
+ORPHAN_PARTIAL_DAYS = 7.0  # a .partial dir untouched (and unlocked) this long is a dead run's: removed
 M = TypeVar("M", bound=BaseModel)
+
+
+class CorruptArtifact(ValueError):
+    """A cached artifact that fails its manifest check, or refers to one that is gone (one-line message)."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give: the cache is meant to be shared, mkstemp gives 0600
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -37,6 +61,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -47,8 +72,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+def atomic_write_json(path: str | Path, obj: Any, sort_keys: bool = True) -> None:
+    """``sort_keys=False`` keeps the order of a mapping that is itself data (the rows of a results table)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
 def read_json(path: str | Path) -> Any:
@@ -123,6 +149,63 @@ def read_jsonl(path: str | Path, model: type[M] | None = None) -> list[Any]:
     return list(iter_jsonl(path, model))
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_temp_leftover(name: str) -> bool:
+    """Names of the atomic writers' temp files and dirs (``.<name>.<rand>.tmp``, ``.<name>.tmp-<id>``,
+    ``.<name>.old-<id>``): never part of an artifact; a kill can leave one behind."""
+    return name.startswith(".") and any(t in name for t in (".tmp", ".old"))
+
+
+def build_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """Every file under ``directory`` (but the marker): size, sha256 and, for JSONL, its row count.
+    Temp leftovers of killed atomic writes are removed first."""
+    for p in sorted(directory.rglob("*"), reverse=True):  # children before parents
+        if _is_temp_leftover(p.name) and p.exists():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    files: dict[str, dict[str, Any]] = {}
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).as_posix()
+        if not p.is_file() or rel == COMPLETE:
+            continue
+        entry: dict[str, Any] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        if p.suffix == ".jsonl":
+            entry["rows"] = _count_rows(p)
+        files[rel] = entry
+    return files
+
+
+def _count_rows(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def verify_manifest(directory: Path, files: dict[str, dict[str, Any]], full: bool) -> str | None:
+    """The first way ``directory`` differs from its manifest, or None."""
+    for rel, want in files.items():
+        p = directory / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {want['bytes']}"
+        if "rows" in want and (n := _count_rows(p)) != want["rows"]:
+            return f"{rel} has {n} rows, the manifest says {want['rows']}"
+        if (full or size <= HASH_ALWAYS_BYTES) and file_sha256(p) != want["sha256"]:
+            return f"{rel} differs from its recorded sha256 (same size: changed in place)"
+    return None
+
+
+def _full_verify() -> bool:
+    return os.environ.get("TRACEKIT_VERIFY", "") == "full"
+
+
 @dataclass(frozen=True)
 class Artifact:
     """A completed stage artifact: where it is, its cache key and its content key."""
@@ -132,6 +215,18 @@ class Artifact:
     path: Path
     content_key: str
     hit: bool
+
+    def ref(self) -> dict[str, str]:
+        """How another artifact refers to this one: cache-relative, so the cache can move."""
+        return {"stage": self.stage, "key": self.key}
+
+    def resolve(self, ref: dict[str, str]) -> Artifact:
+        """The artifact ``ref`` (written by :meth:`ref`) names, in the same cache as this one (verified)."""
+        found = StageCache(self.path.parents[1]).lookup(ref["stage"], ref["key"])
+        if found is None:
+            raise CorruptArtifact(f"{self.stage}/{self.key} refers to {ref['stage']}/{ref['key']}, which is not in "
+                                  f"the cache {self.path.parents[1]}; recompute: rm -r {self.path}")
+        return found
 
 
 class StageCache:
@@ -144,12 +239,46 @@ class StageCache:
         return self.root / stage / key
 
     def lookup(self, stage: str, key: str) -> Artifact | None:
+        """The verified artifact, None when absent; :class:`CorruptArtifact` when it fails its manifest."""
         path = self.final_dir(stage, key)
         marker = path / COMPLETE
         if not marker.exists():
             return None
-        meta = read_json(marker)
+        try:
+            meta = read_json(marker)
+        except (OSError, ValueError) as e:
+            raise CorruptArtifact(f"artifact {stage}/{key}: unreadable {COMPLETE} ({e}); recompute: rm -r {path}") from None
+        files = meta.get("files")
+        if meta.get("manifest") != MANIFEST_VERSION or not isinstance(files, dict):
+            raise CorruptArtifact(f"artifact {stage}/{key} has no manifest (written by an older tracekit) and cannot "
+                                  f"be verified; recompute: rm -r {path}")
+        problem = verify_manifest(path, files, full=_full_verify())
+        if problem:
+            raise CorruptArtifact(f"artifact {stage}/{key} is corrupt: {problem}; recompute: rm -r {path}")
         return Artifact(stage, key, path, meta["content_key"], hit=True)
+
+    def clean_orphans(self, stage: str, max_age_days: float = ORPHAN_PARTIAL_DAYS) -> list[Path]:
+        """Remove ``<key>.partial`` dirs of ``stage`` that no live job holds and nobody touched in
+        ``max_age_days`` (a killed run's leftovers; a younger one is kept so that a re-run resumes it)."""
+        removed = []
+        stage_dir = self.root / stage
+        for work in stage_dir.glob("*.partial") if stage_dir.is_dir() else ():
+            if time.time() - _newest_mtime(work) < max_age_days * 86400:
+                continue
+            lock = FileLock(str(stage_dir / f"{work.name[:-len('.partial')]}.lock"))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue  # a live job is working in it
+            try:
+                shutil.rmtree(work, ignore_errors=True)
+                removed.append(work)
+            finally:
+                lock.release()
+        if removed:
+            log.info("cache: removed %d orphan partial dir(s) of %s older than %.0f days", len(removed), stage,
+                     max_age_days)
+        return removed
 
     def get_or_compute(
         self,
@@ -171,7 +300,14 @@ class StageCache:
             return hit
         stage_dir = self.root / stage
         stage_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(stage_dir / f"{key}.lock")):
+        self.clean_orphans(stage)
+        lock = FileLock(str(stage_dir / f"{key}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.warning("waiting for another job computing %s/%s (lock %s)", stage, key, lock.lock_file)
+            lock.acquire()
+        try:
             hit = self.lookup(stage, key)  # another process finished it while we waited
             if hit:
                 return hit
@@ -190,6 +326,8 @@ class StageCache:
                 "seconds": round(time.time() - t0, 3),
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 **(meta or {}),
+                "manifest": MANIFEST_VERSION,
+                "files": build_manifest(work),
             }
             atomic_write_json(work / COMPLETE, marker)
             final = self.final_dir(stage, key)
@@ -198,3 +336,9 @@ class StageCache:
             os.replace(work, final)
             log.info("stage %s computed in %.1fs -> %s", stage, marker["seconds"], final)
             return Artifact(stage, key, final, content_key, hit=False)
+        finally:
+            lock.release()
+
+
+def _newest_mtime(directory: Path) -> float:
+    return max((p.stat().st_mtime for p in directory.rglob("*")), default=directory.stat().st_mtime)

@@ -9,14 +9,17 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import StageCache, atomic_write_text
-from tracekit.config import ConfigError, register_configs, validate
+from tracekit.config import USER_ERRORS, ConfigError, needed_endpoints, probe_endpoints, register_configs, validate
+from tracekit.report.logging import log_traceback_to_file
 
 log = logging.getLogger("tracekit")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -24,9 +27,15 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 register_configs()
 
 
-def write_summary(run_dir: Path, cfg: DictConfig, record) -> None:
-    """The run's Markdown summary: stages (cache hits or computed) and each stage's report."""
-    lines = [f"# tracekit run `{cfg.name}`", "", f"Run dir: `{run_dir}`", "", "## Stages", "",
+def describe(e: BaseException) -> str:
+    """``ExcType: message`` on one line."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException | None = None) -> None:
+    """The run's Markdown summary: its status, stages (cache hits or computed) and each stage's report."""
+    status = f"failed ({describe(failure)})" if failure else "ok"
+    lines = [f"# tracekit run `{cfg.name}`", "", f"Status: {status}", "", f"Run dir: `{run_dir}`", "", "## Stages", "",
              "| stage | key | cache | seconds |", "|---|---|---|---|"]
     for a in record.artifacts.values():
         lines.append(f"| {a['stage']} | `{a['key']}` | {'hit' if a['cache_hit'] else 'computed'} | {a['seconds']} |")
@@ -35,7 +44,7 @@ def write_summary(run_dir: Path, cfg: DictConfig, record) -> None:
     atomic_write_text(run_dir / "summary.md", "\n".join(lines) + "\n")
 
 
-def run(cfg: DictConfig) -> int:
+def run(cfg: DictConfig) -> None:
     from tracekit.pipeline import RunRecord
     from tracekit.report.logging import RunLogger
     from tracekit.stages import build_pipeline
@@ -44,16 +53,48 @@ def run(cfg: DictConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     record = RunRecord(run_dir)
-    record.logger = RunLogger(cfg, run_dir)
-    exit_code = 1
+    failure = None
     try:
-        build_pipeline().run(cfg, list(cfg.stages), StageCache(cfg.paths.cache_dir), record)
-        exit_code = 0
+        record.logger = RunLogger(cfg, run_dir)
+        pipeline, cache = build_pipeline(), StageCache(cfg.paths.cache_dir)
+        to_compute = pipeline.to_compute(cfg, list(cfg.stages), cache)  # corrupt artifacts are named here
+        log.info("stages to compute: %s", ", ".join(to_compute) or "none (all cached)")
+        probe_endpoints(cfg, [role for stage in to_compute for role in needed_endpoints(cfg, stage)])
+        pipeline.run(cfg, list(cfg.stages), cache, record)
+    except BaseException as e:
+        failure = e
+        raise
     finally:
-        write_summary(run_dir, cfg, record)
-        record.logger.finish(exit_code)
+        write_summary(run_dir, cfg, record, failure)
+        if record.logger is not None:
+            record.logger.finish(1 if failure else 0)
     log.info("summary: %s", run_dir / "summary.md")
-    return exit_code
+
+
+def discard_rejected_run(run_dir: Path, root_dir: Path) -> None:
+    """Remove the run dir Hydra made before validation when it holds only Hydra's own files (its config copies
+    and the log), then the parents that leaves empty, up to ``root_dir``."""
+    hydra = HydraConfig.get()
+    if any(p.name not in (hydra.output_subdir, f"{hydra.job.name}.log") for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if root_dir.resolve() not in parent.resolve().parents:
+            break
+        try:
+            parent.rmdir()
+        except OSError:  # not empty: another run's
+            break
+
+
+def report_failure(e: Exception) -> int:
+    """One line on the terminal, the traceback in the run's log file; the exit status (2: the user's to fix)."""
+    log_file = log_traceback_to_file(log, f"run failed: {describe(e)}", e)
+    if isinstance(e, USER_ERRORS):
+        print(f"tracekit: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"tracekit: failed: {describe(e)}" + (f" (traceback: {log_file})" if log_file else ""), file=sys.stderr)
+    return 1
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -61,6 +102,10 @@ def main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
     except ConfigError as e:
+        discard_rejected_run(Path(cfg.paths.run_dir), Path(cfg.paths.root_dir))
         print(f"tracekit: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as e:
+        sys.exit(report_failure(e))

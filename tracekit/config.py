@@ -1,29 +1,38 @@
 """Structured configs (types for every Hydra group) and value checks that run before any work.
 
 Hydra composes ``conf/config.yaml`` over the ``Config`` schema registered here, so a typo'd key or a
-wrongly typed value fails at composition; :func:`validate` then checks ranges and cross-field rules
-and raises :class:`ConfigError` with one line naming the key and its valid range.
+wrongly typed value fails at composition. A ``+key=value`` override adds keys even in struct mode
+(Hydra applies it with ``force_add``), so :func:`validate` walks the composed config against the
+schema again, checks every value against its range (``RANGES``) or choices (``CHOICES``) and the
+cross-field rules, and raises :class:`ConfigError` with one line naming the key and what is valid.
+Open groups are the schema's ``dict[str, Any]`` fields (``backbone.arch``, ``grpo.vllm``);
+``llm.endpoints`` takes any name, each entry an :class:`EndpointConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from tracekit.rl.settings import GRPOSettings, LauncherSettings
+from tracekit.artifacts import CorruptArtifact
+from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
 
-STAGES = ("rollout", "discover", "label", "select", "synthesize", "train", "compose", "evaluate")
 
-
-METHODS = ("base", "single_capability", "trace")
 
 
 class ConfigError(ValueError):
     """An invalid configuration value (message: one line naming the key and the valid range)."""
+
+
+# failures the user fixes from the message alone: `python -m tracekit` prints it as one line (no traceback)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CorruptArtifact)
 
 
 @dataclass
@@ -153,8 +162,38 @@ class MoeConfig:
 
 
 @dataclass
+class ConsolidationBudgetConfig:
+    episodes: int | None = None  # training episodes of strategies that train; None: the capability runs' summed
+
+
+@dataclass
+class MergeConfig:
+    """merge_cat | merge_linear | merge_ties | merge_dare_ties (on the full dW, SVD re-factored)."""
+
+    weights: list[float] | None = None  # per capability, sorted by name; None: 1/T (linear) or 1 (TIES)
+    density: float = 0.2  # TIES: fraction of entries kept; DARE: keep probability
+    majority_sign: str = "total"  # total | frequency
+    rank: int | None = None  # SVD rank of the merged adapter; None: the sum of the ranks
+    lam: float = 1.0  # global scale of the merged update
+
+
+@dataclass
+class CoreTSVConfig:
+    """merge_core_tsv: Core Space + TIES sign resolution + TSV-M in the core."""
+
+    lam: float = 0.2
+    density: float = 1.0
+    majority_sign: str = "total"
+    isotropize: bool = False
+    rank_policy: str = "full"  # full (all T*r core directions) | truncate (top r, before isotropizing)
+
+
+@dataclass
 class ConsolidationConfig:
-    method: str = "moe"  # moe | merge_ties | merge_core_tsv | multi_grpo | sft_synthetic | on_policy_distill
+    method: str = "moe"  # a name of tracekit.methods.consolidate.STRATEGIES (conf/consolidation/<name>.yaml)
+    budget: ConsolidationBudgetConfig = field(default_factory=ConsolidationBudgetConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    core_tsv: CoreTSVConfig = field(default_factory=CoreTSVConfig)
 
 
 @dataclass
@@ -181,7 +220,6 @@ class EvalConfig:
     seeds: list[int] = field(default_factory=lambda: [42])
     max_steps: int = 50
     context_budget: int = 32000
-    batch_size: int = 8
 
 
 @dataclass
@@ -226,88 +264,269 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="tracekit_schema", node=Config)
 
 
+# every numeric field's valid range ("[a, b]", "(a, b]", "> a", ">= a"; null passes where the field is
+# optional; a list field: each element)
+RANGES: dict[str, str] = {
+    "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
+    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1",
+    "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
+    "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
+    "analysis.temperature": "[0, 2]", "analysis.capabilities_per_call": ">= 0", "analysis.max_retries": ">= 0",
+    "analysis.compact_chars": ">= 200", "analysis.label_noise": "[0, 0.5]", "analysis.examples_per_capability": ">= 0",
+    "analysis.chunk_size": ">= 1", "analysis.min_capabilities": ">= 1", "analysis.max_capabilities": ">= 1",
+    "analysis.max_new_tokens": ">= 1",
+    "synthesis.repair_rounds": ">= 0", "synthesis.mutation_rounds": ">= 0", "synthesis.validation_seeds": ">= 1",
+    "synthesis.calibration_seeds": ">= 1", "synthesis.calibration_k": ">= 2", "synthesis.target_low": "[0, 1]",
+    "synthesis.target_high": "[0, 1]", "synthesis.min_informative": "[0, 1]", "synthesis.difficulty": ">= 0",
+    "synthesis.cpu_seconds": ">= 1", "synthesis.wall_seconds": ">= 1", "synthesis.memory_mb": ">= 256",
+    "grpo.iterations": ">= 1", "grpo.groups": ">= 1", "grpo.group_size": ">= 2", "grpo.temperature": "> 0",
+    "grpo.top_p": "(0, 1]", "grpo.max_new_tokens": ">= 1", "grpo.max_steps": ">= 1", "grpo.max_prompt_tokens": ">= 256",
+    "grpo.clip_eps": "(0, 1)", "grpo.clip_eps_high": "> 0", "grpo.adv_eps": "> 0", "grpo.kl_beta": ">= 0",
+    "grpo.tis_cap": ">= 1", "grpo.max_resample_rounds": ">= 0", "grpo.lr": "> 0", "grpo.betas": "[0, 1)",
+    "grpo.weight_decay": ">= 0", "grpo.grad_clip": ">= 0", "grpo.epochs": ">= 1", "grpo.num_minibatches": ">= 1",
+    "grpo.microbatch_tokens": ">= 1", "grpo.logprob_chunk": ">= 1", "grpo.rollout_batch_size": ">= 1",
+    "grpo.seed": ">= 0", "grpo.checkpoint_every": ">= 1", "grpo.keep_checkpoints": ">= 1",
+    "grpo.lora.rank": ">= 1", "grpo.lora.alpha": "> 0", "grpo.lora.dropout": "[0, 1)",
+    "moe.lambda_lb": ">= 0", "moe.top_k": ">= 1", "moe.train_top_k": ">= 1", "moe.gate_init_std": ">= 0",
+    "moe.lr": "> 0", "moe.weight_decay": ">= 0", "moe.max_grad_norm": ">= 0", "moe.steps": ">= 1",
+    "moe.batch_size": ">= 1", "moe.ce_chunk": ">= 1", "moe.trajectories_per_capability": ">= 1",
+    "llm.endpoints.*.timeout_s": "> 0", "llm.endpoints.*.max_retries": ">= 0", "llm.endpoints.*.concurrency": ">= 1",
+    "eval.temperature": ">= 0", "eval.seeds": ">= 0", "eval.max_steps": ">= 1", "eval.context_budget": ">= 256",
+    "launcher.nproc": ">= 1", "launcher.master_port": "[1, 65535]",
+    "consolidation.budget.episodes": ">= 1", "consolidation.merge.weights": "[-10, 10]",
+    "consolidation.merge.density": "(0, 1]", "consolidation.merge.rank": ">= 1", "consolidation.merge.lam": "> 0",
+    "consolidation.core_tsv.lam": "> 0", "consolidation.core_tsv.density": "(0, 1]",
+    "seed": ">= 0",
+}
+
+
+def _library_names() -> tuple[str, ...]:
+    from tracekit.synthesis.library import LIBRARY_NAMES
+
+    return LIBRARY_NAMES
+
+
+def _stage_names() -> tuple[str, ...]:
+    from tracekit.stages import build_pipeline
+
+    return tuple(build_pipeline().stages)
+
+
+def _method_names() -> tuple[str, ...]:
+    from tracekit.methods import METHODS
+
+    return tuple(METHODS)
+
+
+def _strategy_names() -> tuple[str, ...]:
+    from tracekit.methods.consolidate import STRATEGIES
+
+    return tuple(STRATEGIES)
+
+
+def _chat_formats() -> tuple[str, ...]:
+    from tracekit.llm.tools import CHAT_FORMATS
+
+    return CHAT_FORMATS
+
+
+# every string field with a fixed set of values: a tuple, a function giving one (imported when used), or a
+# regular expression; the other strings are names, paths and URLs
+CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
+    "benchmark.kind": ("tau2", "synthetic"),
+    "benchmark.domains": ("airline", "retail"),  # tracekit.envs.tau2.DOMAINS (importing it loads tau2: seconds)
+    "benchmark.split": ("train", "test", "base"),
+    "benchmark.policy": ("full",),
+    "benchmark.envs": _library_names,
+    "backbone.source": ("random", "gguf", "hub"),
+    "backbone.chat_format": _chat_formats,
+    "backbone.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "backbone.device": r"auto|cpu|mps|cuda(:\d+)?",
+    "agent.kind": ("llm", "gold"),
+    "agent.tool_choice": ("auto", "required"),
+    "user.kind": ("scripted", "llm"),
+    "thresholds.undefined_er_pos": ("zero", "unselectable"),
+    "analysis.discovery": ("reference", "llm", "pinned"),
+    "analysis.labeler": ("reference", "llm"),
+    "analysis.on_missing": ("skip", "fail"),
+    "synthesis.source": ("library", "generate"),
+    "grpo.old_logprobs": ("rollout", "recompute"),
+    "grpo.checkpoint_policy": ("full", "selective"),
+    "grpo.rollout_fast": ("auto", "on", "off"),
+    "grpo.dtype": ("auto", "float32", "bfloat16"),
+    "grpo.save_rollouts": ("none", "messages", "full"),
+    "grpo.engine": ("hf", "agent", "vllm"),
+    "moe.impl": ("grouped", "grouped_mm", "masked_dense"),
+    "moe.gate_data": ("successes", "all"),
+    "consolidation.method": _strategy_names,
+    "consolidation.merge.majority_sign": ("total", "frequency"),
+    "consolidation.core_tsv.majority_sign": ("total", "frequency"),
+    "consolidation.core_tsv.rank_policy": ("full", "truncate"),
+    "llm.endpoints.*.kind": ("hf", "openai"),
+    "eval.mode": ("greedy", "stochastic"),
+    "eval.methods": _method_names,
+    "logger.kind": ("wandb", "none"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "launcher.kind": KINDS,
+    "launcher.command": ("torchrun", "deepspeed"),
+    "stages": _stage_names,
+}
+
+_BOUND_OPS = {">": operator.gt, ">=": operator.ge}
+
+
+def _in_range(x: float, spec: str) -> bool:
+    if spec[0] in "[(":
+        lo, hi = (float(v) for v in spec[1:-1].split(","))
+        return (lo <= x if spec[0] == "[" else lo < x) and (x <= hi if spec[-1] == "]" else x < hi)
+    op, bound = spec.split()
+    return _BOUND_OPS[op](x, float(bound))
+
+
 def _check(ok: bool, key: str, value: Any, valid: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: must be {valid}")
 
 
-def _choice(cfg: DictConfig, key: str, options: tuple[str, ...]) -> None:
-    value = OmegaConf.select(cfg, key)
-    _check(value in options, key, value, "one of " + ", ".join(options))
+def _check_leaf(key: str, pattern: str, value: Any) -> None:
+    for item in value if isinstance(value, ListConfig) else [value]:
+        if item is None:
+            continue
+        if pattern in RANGES:
+            spec = RANGES[pattern]
+            _check(_in_range(item, spec), key, item, spec if spec[0] in "<>" else f"in {spec}")
+        elif isinstance(rule := CHOICES[pattern], str):
+            _check(re.fullmatch(rule, item) is not None, key, item, f"of the form {rule}")
+        else:
+            options = rule() if callable(rule) else rule
+            _check(item in options, key, item, "one of " + ", ".join(options))
+
+
+def _leaves(node: DictConfig, schema: type, key: str = "",
+            pattern: str = "") -> Iterator[tuple[str, str, DictConfig, str]]:
+    """(key, its pattern in RANGES/CHOICES, parent node, name) of every leaf of ``node``; a key the schema lacks
+    (Hydra's ``+key=value`` adds keys even in struct mode) raises ConfigError. ``dict[str, Any]`` fields are
+    open; a ``dict[str, <dataclass>]`` field takes any name, each entry checked against the dataclass."""
+    fields = get_type_hints(schema)
+    for name in node:
+        k, p = f"{key}{name}", f"{pattern}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown key {k} (valid: {', '.join(fields)})")
+        hint = fields[name]
+        if is_dataclass(hint):
+            yield from _leaves(node[name], hint, f"{k}.", f"{p}.")
+        elif get_origin(hint) is dict and is_dataclass(entry := get_args(hint)[1]):
+            for entry_name in node[name]:
+                yield from _leaves(node[name][entry_name], entry, f"{k}.{entry_name}.", f"{p}.*.")
+        else:
+            yield k, p, node, name
+
+
+ENDPOINT_KEYS = ("user.endpoint", "analysis.endpoint", "synthesis.endpoint")  # the keys naming an endpoint
+
+
+def needed_endpoints(cfg: DictConfig, stage: str) -> list[str]:
+    """The names of the ``llm.endpoints`` entries ``stage`` calls when it computes: those its reads name."""
+    from tracekit.stages import build_pipeline
+
+    prefix = "llm.endpoints."
+    return [r[len(prefix):] for r in build_pipeline().reads(cfg, stage) if r.startswith(prefix)]
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def probe_endpoints(cfg: DictConfig, roles: Iterable[str]) -> None:
+    """Ask each openai endpoint among ``roles`` for ``<base_url>/models`` with a short timeout (hf endpoints run
+    in process: nothing to ask); ConfigError naming the endpoint, its URL and the error on the first that fails."""
+    from tracekit.llm.base import EndpointError
+    from tracekit.llm.openai import OpenAIChatClient
+
+    for role in dict.fromkeys(roles):
+        ep = cfg.llm.endpoints[role]
+        if ep.kind != "openai":
+            continue
+        try:
+            client = OpenAIChatClient(ep.base_url, ep.model, connect_timeout_s=PROBE_TIMEOUT_S,
+                                      **({"api_key_env": ep.api_key_env} if ep.api_key_env else {}))
+            try:
+                client.check()
+            finally:
+                client.close()
+        except EndpointError as e:
+            raise ConfigError(f"llm.endpoints.{role}: {e}") from None
+
+
+def read_pinned_dictionary(cfg: DictConfig) -> list[Any]:
+    """The capabilities of the ``analysis.dictionary_path`` file, read as discovery reads it; ConfigError
+    naming the file and what is wrong with it."""
+    from tracekit.analysis.discovery import load_dictionary
+
+    value = cfg.analysis.dictionary_path
+    _check(bool(value) and Path(value).expanduser().is_file(), "analysis.dictionary_path", value,
+           "an existing file when analysis.discovery=pinned")
+    path = Path(value).expanduser()
+    try:
+        return load_dictionary(path)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"analysis.dictionary_path: {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # its message starts with the path
+        raise ConfigError(f"analysis.dictionary_path: {e}") from None
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check ranges and cross-field rules; raise ConfigError (one line) on the first problem."""
+    """Check every key against the schema, every value's range or choices and the cross-field rules; raise
+    ConfigError (one line) on the first problem."""
+    for key, pattern, node, name in _leaves(cfg, Config):
+        if pattern in RANGES or pattern in CHOICES:
+            _check_leaf(key, pattern, node[name])
     t = cfg.thresholds
-    for key in ("delta", "rho"):
-        _check(0.0 <= t[key] <= 1.0, f"thresholds.{key}", t[key], "in [0, 1]")
-    _check(t.n >= 1, "thresholds.n", t.n, ">= 1")
-    _check(1 <= t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
-    _choice(cfg, "thresholds.undefined_er_pos", ("zero", "unselectable"))
-    for stage in cfg.stages:
-        _check(stage in STAGES, "stages", stage, "a list of " + ", ".join(STAGES))
-    _choice(cfg, "benchmark.split", ("train", "test", "base"))
-    _choice(cfg, "backbone.source", ("random", "gguf", "hub"))
-    _choice(cfg, "agent.kind", ("llm", "gold"))
-    _choice(cfg, "agent.tool_choice", ("auto", "required"))
+    _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
     for key in ("tool_choice", "copy_ids"):
         if cfg.agent[key] not in ("auto", False):
             _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,
                    f"true when agent.{key}={cfg.agent[key]} (both are grammar constraints)")
-    _choice(cfg, "user.kind", ("scripted", "llm"))
-    _choice(cfg, "analysis.discovery", ("reference", "llm", "pinned"))
-    _choice(cfg, "analysis.labeler", ("reference", "llm"))
-    _choice(cfg, "analysis.on_missing", ("skip", "fail"))
-    if cfg.analysis.discovery == "pinned":
-        path = cfg.analysis.dictionary_path
-        _check(bool(path) and Path(path).expanduser().is_file(), "analysis.dictionary_path", path,
-               "an existing file when analysis.discovery=pinned")
-    _check(0.0 <= cfg.analysis.label_noise <= 0.5, "analysis.label_noise", cfg.analysis.label_noise, "in [0, 0.5]")
-    _choice(cfg, "synthesis.source", ("library", "generate"))
+    _check(cfg.user.kind != "scripted" or cfg.user.max_turns is not None, "user.max_turns", None,
+           ">= 1 with user.kind=scripted (the scripted user needs a last turn)")
+    a = cfg.analysis
+    _check(a.min_capabilities <= a.max_capabilities, "analysis.min_capabilities", a.min_capabilities,
+           f"<= analysis.max_capabilities={a.max_capabilities}")
+    if a.discovery == "pinned":
+        read_pinned_dictionary(cfg)
+    sy = cfg.synthesis
+    _check(sy.target_low <= sy.target_high, "synthesis.target_low", sy.target_low,
+           f"<= synthesis.target_high={sy.target_high}")
     for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings)):
         values = OmegaConf.to_container(cfg[group], resolve=True)
-        try:  # the settings dataclasses carry their own range checks
+        try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
             schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _choice(cfg, "grpo.engine", ("hf", "agent", "vllm"))
     if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
         _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
                "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")
-    m = cfg.moe
-    _check(m.lambda_lb >= 0, "moe.lambda_lb", m.lambda_lb, ">= 0")
-    _check(m.top_k >= 1, "moe.top_k", m.top_k, ">= 1")
-    _choice(cfg, "moe.impl", ("grouped", "grouped_mm", "masked_dense"))
-    _choice(cfg, "moe.gate_data", ("successes", "all"))
-    _choice(cfg, "consolidation.method", ("moe", "merge_ties", "merge_core_tsv", "multi_grpo", "sft_synthetic", "on_policy_distill"))
-    # named by the paper, not built yet: fail before any work rather than at the compose stage
-    _check(cfg.consolidation.method == "moe", "consolidation.method", cfg.consolidation.method,
-           "moe (the other consolidations of paper Table 4 are not built yet)")
-    _check(cfg.benchmark.kind in ("tau2", "synthetic"), "benchmark.kind", cfg.benchmark.kind,
-           "tau2 or synthetic (SWE-bench and ToolSandbox targets are not built yet)")
-    if cfg.benchmark.kind == "synthetic":
-        from tracekit.synthesis.library import LIBRARY_NAMES
-
-        _check(len(cfg.benchmark.envs) > 0 and all(e in LIBRARY_NAMES for e in cfg.benchmark.envs), "benchmark.envs",
-               list(cfg.benchmark.envs), "a non-empty list of " + ", ".join(LIBRARY_NAMES))
-        _check(cfg.benchmark.limit is not None and cfg.benchmark.limit >= 1, "benchmark.limit", cfg.benchmark.limit,
-               ">= 1 (instances per environment)")
+    if cfg.launcher.kind == "deepspeed_zero3" and cfg.launcher.nproc > 1:  # as tracekit.rl.launch.check_supported
+        _check(cfg.grpo.engine != "hf", "grpo.engine", "hf",
+               "agent or vllm with launcher=deepspeed_zero3 and nproc > 1 (hf rollouts are not rank-synchronized)")
+    b = cfg.benchmark
+    if b.kind == "tau2":
+        _check(len(b.domains) > 0, "benchmark.domains", list(b.domains), "a non-empty list with benchmark.kind=tau2")
+    else:
         from tracekit.synthesis.library import library_env
 
-        for env in cfg.benchmark.envs:
+        _check(len(b.envs) > 0, "benchmark.envs", list(b.envs), "a non-empty list with benchmark.kind=synthetic")
+        _check(b.limit is not None, "benchmark.limit", b.limit, ">= 1 (instances per environment)")
+        for env in b.envs:
             levels = list(library_env(env).difficulty_levels)
-            _check(cfg.benchmark.difficulty in levels, "benchmark.difficulty", cfg.benchmark.difficulty,
+            _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty,
                    f"a difficulty level of {env} ({levels})")
-    _choice(cfg, "eval.mode", ("greedy", "stochastic"))
-    _check(cfg.eval.temperature >= 0, "eval.temperature", cfg.eval.temperature, ">= 0")
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
-    for m in cfg.eval.methods:
-        _check(m in METHODS, "eval.methods", m, "a list of " + ", ".join(METHODS))
-    _check(cfg.eval.max_steps >= 1, "eval.max_steps", cfg.eval.max_steps, ">= 1")
-    _check(cfg.eval.context_budget >= 256, "eval.context_budget", cfg.eval.context_budget, ">= 256 tokens")
-    _choice(cfg, "logger.kind", ("wandb", "none"))
-    _choice(cfg, "logger.mode", ("offline", "online", "disabled"))
     for name, ep in cfg.llm.endpoints.items():
-        _choice(cfg, f"llm.endpoints.{name}.kind", ("hf", "openai"))
         if ep.kind == "openai":
-            _check(bool(ep.base_url), f"llm.endpoints.{name}.base_url", ep.base_url, "set for kind=openai")
+            _check(bool(ep.base_url) and ep.base_url.startswith(("http://", "https://")),
+                   f"llm.endpoints.{name}.base_url", ep.base_url, "an http(s) URL with kind=openai")
+            _check(bool(ep.model), f"llm.endpoints.{name}.model", ep.model, "set with kind=openai")
+    for role in dict.fromkeys(r for stage in _stage_names() for r in needed_endpoints(cfg, stage)):
+        if role not in cfg.llm.endpoints:
+            key = next(k for k in ENDPOINT_KEYS if OmegaConf.select(cfg, k) == role)
+            _check(False, key, role, "a key of llm.endpoints (" + ", ".join(cfg.llm.endpoints) + ")")

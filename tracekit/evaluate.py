@@ -226,11 +226,17 @@ def _cell(mean: float, half: float | None) -> str:
     return f"{100 * mean:.1f}" if half is None else f"{100 * mean:.1f} ± {100 * half:.1f}"
 
 
+BUDGET_COLUMNS = {"episodes": "Episodes", "generated_tokens": "Gen. tokens", "optimizer_steps": "Opt. steps"}
+
+
 def table_rows(results: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Pass-rate table: one row per approach (``results``: approach -> summarize() output), columns
-    the domains (%) then Overall (%); stochastic results show mean ± CI."""
+    the domains (%) then Overall (%); stochastic results show mean ± CI; then each row's training budget
+    (episodes, generated tokens, optimizer steps) where rows carry one."""
     envs = sorted({env for r in results.values() for env in r["domains"]})
-    header = ["Approach", *[f"{column_label(e)} (%)" for e in envs], "Overall (%)"]
+    budgets = any("budget" in r for r in results.values())
+    header = ["Approach", *[f"{column_label(e)} (%)" for e in envs], "Overall (%)",
+              *(BUDGET_COLUMNS.values() if budgets else ())]
     rows = []
     for name, r in results.items():
         row = [name]
@@ -243,6 +249,8 @@ def table_rows(results: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], lis
                 row.append(_cell(r["domains"][col]["pass_rate"], None))
             else:
                 row.append("–")
+        if budgets:
+            row += [f"{r['budget'][k]:,}" if "budget" in r else "–" for k in BUDGET_COLUMNS]
         rows.append(row)
     return header, rows
 
@@ -257,14 +265,16 @@ def markdown_table(results: Mapping[str, Mapping[str, Any]]) -> str:
 def wandb_rows(results: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """Columns and rows for ``wandb.Table(columns=..., data=...)``: one row per (approach, column)
     with solved / total / pass rate (pooled) and, for stochastic runs, the mean and CI half-width."""
-    columns = ["approach", "domain", "solved", "total", "pass_rate", "mean_reward", "stochastic_mean", "ci95"]
+    columns = ["approach", "domain", "solved", "total", "pass_rate", "mean_reward", "stochastic_mean", "ci95",
+               *BUDGET_COLUMNS]
     rows: list[list[Any]] = []
     for name, r in results.items():
+        budget = r.get("budget", {})
         for col, c in [*r["domains"].items(), ("overall", r["overall"])]:
             st = r.get("stochastic", {}).get(col)
             rows.append([
                 name, col, c["solved"], c["total"], c["pass_rate"], c["mean_reward"],
-                st["mean"] if st else None, st["ci"] if st else None,
+                st["mean"] if st else None, st["ci"] if st else None, *(budget.get(k) for k in BUDGET_COLUMNS),
             ])
     return columns, rows
 
@@ -272,6 +282,6 @@ def wandb_rows(results: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], lis
 def write_results(run_dir: str | Path, results: Mapping[str, Mapping[str, Any]]) -> tuple[Path, Path]:
     """Write ``results.json`` (approach -> summary) and ``results.md`` (the pass-rate table) atomically."""
     run_dir = Path(run_dir)
-    atomic_write_json(run_dir / RESULTS, dict(results))
+    atomic_write_json(run_dir / RESULTS, dict(results), sort_keys=False)  # rows in table order
     atomic_write_text(run_dir / TABLE, markdown_table(results))
     return run_dir / RESULTS, run_dir / TABLE

@@ -5,10 +5,15 @@ artifact directory. Its cache key hashes exactly those, so a change recomputes o
 read it (and, through content keys, only when an upstream *result* changed: two thresholds that select
 the same capabilities share everything after ``select``). Requested stages are targets: missing
 upstream artifacts are computed too, cached ones are reused.
+
+A stage computes on a *view* of the config holding only the values it reads (every other leaf is
+MISSING), so a value it uses but does not declare fails loudly instead of being left out of its key.
+The master ``seed`` is a value like any other: a stage that uses ``ctx.seed`` declares ``seed``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -16,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from tracekit.artifacts import Artifact, StageCache, atomic_write_json, read_json
 from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
+
+# how a run executes, not what it computes: visible to every stage, in no key
+EXECUTION_KEYS = ("paths", "logger", "launcher", "name", "stages", "experiment")
 
 USES = "uses.json"  # the sub-artifacts a stage artifact depends on
 
@@ -56,16 +65,26 @@ class RunRecord:
         self.sections.append((title, markdown))
 
 
+class UndeclaredRead(RuntimeError):
+    """A stage used a config value outside its ``reads``: its cache key would not cover it."""
+
+
 @dataclass
 class StageContext:
-    cfg: DictConfig
+    cfg: DictConfig  # while computing: the view of the stage's reads; while reporting: the whole config
     stage: str
     work_dir: Path  # where the stage writes (a resumable partial dir until it completes)
     inputs: dict[str, Artifact]
-    seed: int
     cache: StageCache
     record: RunRecord
+    stage_seed: int | None = None  # derived from the master seed; None when the stage does not read `seed`
     uses: list[Artifact] = field(default_factory=list)  # sub-artifacts this stage read or made
+
+    @property
+    def seed(self) -> int:
+        if self.stage_seed is None:
+            raise UndeclaredRead(f"stage {self.stage} uses the master seed but does not declare `seed` in its reads")
+        return self.stage_seed
 
     def use(self, art: Artifact, seconds: float) -> None:
         """Record a sub-artifact (e.g. one adapter of ``train``) in the run and in this stage's artifact."""
@@ -76,7 +95,7 @@ class StageContext:
 @dataclass(frozen=True)
 class Stage:
     name: str
-    reads: tuple[str, ...]  # dotted config keys whose values the artifact depends on
+    reads: tuple[str, ...] | Callable[[DictConfig], tuple[str, ...]]  # dotted config keys the result depends on
     inputs: tuple[str, ...] | Callable[[DictConfig], tuple[str, ...]]  # upstream stages (or a function of cfg)
     compute: Callable[[StageContext], None]
     report: Callable[[Artifact, StageContext], None] | None = None  # runs on hits and misses alike
@@ -92,6 +111,10 @@ class Pipeline:
     def inputs(self, cfg: DictConfig, name: str) -> tuple[str, ...]:
         deps = self.stages[name].inputs
         return deps(cfg) if callable(deps) else deps
+
+    def reads(self, cfg: DictConfig, name: str) -> tuple[str, ...]:
+        reads = self.stages[name].reads
+        return reads(cfg) if callable(reads) else reads
 
     def order(self, cfg: DictConfig, targets: list[str]) -> list[str]:
         """Targets plus their transitive inputs, in dependency order."""
@@ -111,7 +134,8 @@ class Pipeline:
 
     def key(self, cfg: DictConfig, stage: Stage, inputs: dict[str, Artifact]) -> str:
         reads = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                 for k in stage.reads for v in [OmegaConf.select(cfg, k, throw_on_missing=True)]}
+                 for k in sorted(self.reads(cfg, stage.name))
+                 for v in [OmegaConf.select(cfg, k, throw_on_missing=True)]}
         return stable_hash(
             {"stage": stage.name, "version": stage.version, "reads": reads,
              "extra": stage.key_extra(cfg) if stage.key_extra else None,
@@ -119,36 +143,81 @@ class Pipeline:
             length=20,
         )
 
+    def to_compute(self, cfg: DictConfig, targets: list[str], cache: StageCache) -> list[str]:
+        """The stages a run of ``targets`` will compute: each whose inputs are cached and whose own key is not,
+        and everything downstream of one (its key waits on content not made yet). Verifies what it finds, so a
+        corrupt artifact is named before any work."""
+        known: dict[str, Artifact] = {}
+        misses = []
+        for name in self.order(cfg, targets):
+            deps = self.inputs(cfg, name)
+            hit = (cache.lookup(name, self.key(cfg, self.stages[name], {n: known[n] for n in deps}))
+                   if all(n in known for n in deps) else None)
+            if hit:
+                known[name] = hit
+            else:
+                misses.append(name)
+        return misses
+
     def run(self, cfg: DictConfig, targets: list[str], cache: StageCache, record: RunRecord) -> dict[str, Artifact]:
         done: dict[str, Artifact] = {}
         for name in self.order(cfg, targets):
             stage = self.stages[name]
             inputs = {n: done[n] for n in self.inputs(cfg, name)}
             key = self.key(cfg, stage, inputs)
-            ctx = StageContext(cfg, name, cache.final_dir(name, key), inputs,
-                               derive_seed(cfg.seed, name), cache, record)
+            reads = self.reads(cfg, name)
+            ctx = StageContext(cfg, name, cache.final_dir(name, key), inputs, cache, record,
+                               derive_seed(cfg.seed, name) if "seed" in reads else None)
             t0 = time.time()
 
-            def compute(work: Path, ctx: StageContext = ctx, stage: Stage = stage) -> None:
+            def compute(work: Path, ctx: StageContext = ctx, stage: Stage = stage, reads=reads) -> None:
                 ctx.work_dir = work
+                ctx.cfg = read_view(cfg, reads)
                 log.info("stage %s: computing", stage.name)
-                stage.compute(ctx)
-                atomic_write_json(work / USES, [{"stage": a.stage, "key": a.key} for a in ctx.uses])
+                try:
+                    stage.compute(ctx)
+                except MissingMandatoryValue as e:
+                    missing = getattr(e, "full_key", None) or str(e).splitlines()[0]
+                    raise UndeclaredRead(f"stage {stage.name} read config value {missing!r}, which is not in its "
+                                         "reads (its cache key would not cover it)") from e
+                finally:
+                    ctx.cfg = cfg
+                atomic_write_json(work / USES, [a.ref() for a in ctx.uses])
 
             art = cache.get_or_compute(
                 name, key, compute,
-                meta={"reads": list(stage.reads), "inputs": {n: a.key for n, a in inputs.items()}},
+                meta={"reads": list(reads), "inputs": {n: a.key for n, a in inputs.items()}},
                 identity_files=stage.identity_files,
             )
             ctx.work_dir = art.path
-            if art.hit:  # a hit reads its sub-artifacts through it: record them too
+            if art.hit:  # a hit reads its sub-artifacts through it: record them (verified) too
                 for sub in read_json(art.path / USES):
-                    found = cache.lookup(sub["stage"], sub["key"])
-                    if found:
-                        record.used(found, 0.0)
+                    record.used(art.resolve(sub), 0.0)
             record.used(art, time.time() - t0)
             log.info("stage %s: %s (%s)", name, "cache hit" if art.hit else "computed", art.path)
             if stage.report:
                 stage.report(art, ctx)
             done[name] = art
         return done
+
+
+def read_view(cfg: DictConfig, reads: tuple[str, ...]) -> DictConfig:
+    """A copy of ``cfg`` (resolved) in which every leaf outside ``reads`` and :data:`EXECUTION_KEYS` is
+    MISSING: reading one raises, naming the key."""
+    view = copy.deepcopy(cfg)
+    OmegaConf.resolve(view)
+    keep = (*reads, *EXECUTION_KEYS)
+
+    def mask(node: DictConfig, prefix: str) -> None:
+        for k in list(node.keys()):
+            full = f"{prefix}{k}"
+            if any(full == r or full.startswith(r + ".") for r in keep):
+                continue  # read whole
+            child = node._get_node(k)
+            if isinstance(child, DictConfig) and any(r.startswith(full + ".") for r in keep):
+                mask(child, full + ".")  # partly read
+            else:
+                node[k] = MISSING
+
+    mask(view, "")
+    return view

@@ -20,9 +20,15 @@ from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
 
-# Config keys a rollout's result depends on (the agent's adapters/method are added per call).
-ROLLOUT_READS = ("benchmark", "backbone", "agent", "user", "eval.temperature", "eval.seeds",
-                 "eval.max_steps", "eval.context_budget", "llm.endpoints.user")
+def rollout_reads(cfg: DictConfig) -> tuple[str, ...]:
+    """Config keys a rollout's result depends on (the agent's adapter or MoE is added per rollout)."""
+    reads = ["benchmark", "backbone", "agent", "user", "eval.temperature", "eval.seeds", "eval.max_steps",
+             "eval.context_budget"]
+    if cfg.user.kind == "llm":
+        reads.append(f"llm.endpoints.{cfg.user.endpoint}")
+    if cfg.eval.temperature > 0:  # stochastic decoding samples from the master seed
+        reads.append("seed")
+    return tuple(reads)
 
 
 def _plain(node: Any) -> Any:
@@ -133,31 +139,33 @@ def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = N
     return llm_agent(cfg, cfg.eval.temperature, adapter, moe)
 
 
-def cached_rollout(ctx: StageContext, method: str, weights: Artifact | None = None, kind: str = "adapter") -> Artifact:
-    """Roll the agent (+ a peft ``adapter`` or a composed ``moe``) out on the benchmark, cached under
-    ``episodes/<key>``.
+def cached_rollout(ctx: StageContext, policy: Any = None) -> Artifact:
+    """Roll the agent under ``policy`` (a :class:`tracekit.methods.Policy`; None: the base agent) out on the
+    benchmark, cached under ``episodes/<key>``: keyed on the policy's content, so methods that produce the same
+    weights share one rollout."""
+    from tracekit.methods import Policy
 
-    The base agent's rollout is shared by the ``rollout`` stage (analysis input) and the
-    ``evaluate`` stage's Base row.
-    """
-    from tracekit.rollout import run_rollouts
+    policy = policy or Policy()
+    from tracekit.rollout import TRAJECTORIES, run_rollouts
 
     cfg = ctx.cfg
-    key = stable_hash({"reads": _select(cfg, ROLLOUT_READS), "method": method,
-                       "weights": weights.content_key if weights else None}, length=20)
+    key = stable_hash({"reads": _select(cfg, rollout_reads(cfg)), "policy": policy.identity()}, length=20)
 
     def compute(work: Path) -> None:
         suite = build_suite(cfg)
-        agent = build_agent(cfg, **({kind: str(weights.path / kind)} if weights else {}))
+        weights = {} if policy.kind == "base" else {policy.kind: str(policy.weights.path / policy.subdir)}
+        agent = build_agent(cfg, **weights)
         greedy = cfg.eval.temperature == 0
         summary = run_rollouts(
             suite, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
             seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
             context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size)
-        atomic_write_json(work / "summary.json", {"method": method, **summary.to_dict()})
+        # the file by name: the work dir's path (a .partial) is not where the artifact will live
+        atomic_write_json(work / "summary.json", {"policy": policy.identity(), **summary.to_dict(),
+                                                  "path": TRAJECTORIES})
 
     t0 = time.time()
-    art = ctx.cache.get_or_compute("episodes", key, compute, meta={"method": method})
+    art = ctx.cache.get_or_compute("episodes", key, compute, meta={"policy": policy.identity()})
     ctx.use(art, time.time() - t0)
     return art
 
@@ -170,14 +178,11 @@ def read_trajectories_dir(art: Artifact) -> list[Any]:
 
 def trajectories_of(art: Artifact) -> list[Any]:
     """The base agent's trajectories behind a ``rollout`` stage artifact."""
-    from tracekit.rollout import read_trajectories
-
-    return read_trajectories(Path(read_json(art.path / "episodes.json")["path"]))
+    return read_trajectories_dir(art.resolve(read_json(art.path / "episodes.json")))
 
 
 def rollout_stage(ctx: StageContext) -> None:
-    art = cached_rollout(ctx, "base")
-    atomic_write_json(ctx.work_dir / "episodes.json", {"path": str(art.path), "key": art.key})
+    atomic_write_json(ctx.work_dir / "episodes.json", cached_rollout(ctx).ref())
 
 
 def rollout_report(art: Artifact, ctx: StageContext) -> None:
@@ -211,15 +216,14 @@ def discover_stage(ctx: StageContext) -> None:
         use_response_format=a.use_response_format, pinned=pinned), ctx.work_dir)
 
 
-def pinned_dictionary(cfg: DictConfig) -> str | None:
-    """The pinned dictionary's text: editing the file invalidates `discover` and what follows."""
-    a = cfg.analysis
-    if a.discovery != "pinned":
+def pinned_dictionary(cfg: DictConfig) -> list[dict[str, str]] | None:
+    """The pinned dictionary's entries, read as discovery reads them (a malformed file: ConfigError naming it):
+    editing them invalidates `discover` and what follows."""
+    from tracekit.config import read_pinned_dictionary
+
+    if cfg.analysis.discovery != "pinned":
         return None
-    path = Path(a.dictionary_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"analysis.dictionary_path={a.dictionary_path!r}: no such file")
-    return path.read_text(encoding="utf-8")
+    return [c.model_dump() for c in read_pinned_dictionary(cfg)]
 
 
 def label_stage(ctx: StageContext) -> None:
@@ -329,7 +333,8 @@ def synthesize_stage(ctx: StageContext) -> None:
         source=sy.source, difficulty=sy.difficulty, validation=validation, limits=limits, targets=targets,
         calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k,
         agent=AgentConfig(max_repair_rounds=sy.repair_rounds, max_mutation_rounds=sy.mutation_rounds,
-                          seed=ctx.seed, validation=validation, limits=limits, targets=targets,
+                          seed=ctx.seed if sy.source == "generate" else 0,  # the library source draws nothing
+                          validation=validation, limits=limits, targets=targets,
                           calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k))
     rollout_fn = None
     if sy.calibrate:  # calibrate against the current (base) policy, sampled as GRPO samples
@@ -375,41 +380,61 @@ def train_stage(ctx: StageContext) -> None:
             continue
         pkg = syn.path / env["capability"]
         art = train_adapter(ctx, env["capability"], pkg)
-        adapters[env["capability"]] = {"path": str(art.path), "key": art.key, "content_key": art.content_key}
+        adapters[env["capability"]] = {**art.ref(), "content_key": art.content_key}
     if not adapters:
         raise RuntimeError(f"train: no ready synthetic environment in {syn.path / MANIFEST} (every capability skipped)")
     atomic_write_json(ctx.work_dir / "adapters.json", adapters)
 
 
+def adapters_of(train: Artifact) -> dict[str, Artifact]:
+    """The per-capability adapter artifacts behind a ``train`` artifact (verified)."""
+    return {cap: train.resolve(ref) for cap, ref in read_json(train.path / "adapters.json").items()}
+
+
+def package_identity(pkg: Path) -> dict[str, str]:
+    """What an environment package runs (env.json + generated source), not the reports beside it (timings)."""
+    return {f.name: f.read_text() for f in sorted(pkg.iterdir()) if f.name == "env.json" or f.suffix == ".py"}
+
+
+def train_seeds(cfg: DictConfig, iterations: int | None = None) -> list[int]:
+    """Environment seeds GRPO draws its groups from (never the validation seeds)."""
+    n = cfg.grpo.groups * (iterations or cfg.grpo.iterations)
+    return list(range(TRAIN_SEED_OFFSET, TRAIN_SEED_OFFSET + n))
+
+
 def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
+    from tracekit.rl.launch import Factory
+
+    env = Factory("tracekit.synthesis.stage:open_package", {"pkg_dir": str(pkg), "seeds": train_seeds(ctx.cfg)})
+    return grpo_run(ctx, capability, env, {"env": package_identity(pkg)})
+
+
+def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], iterations: int | None = None) -> Artifact:
+    """One GRPO adapter (the ``grpo`` settings; ``iterations`` overrides theirs) on the environment ``env``
+    (a :class:`tracekit.rl.launch.Factory` of an EnvSuite) whose content is ``identity``: a cache entry
+    ``adapters/<key>`` keyed on the settings, engine, backbone and that content."""
     from tracekit.rl.launch import Factory, TrainSpec, train
     from tracekit.rl.settings import LauncherSettings
 
     cfg = ctx.cfg
-    g = cfg.grpo
-    # what runs (env.json + generated source), not the reports beside it (they carry timings)
-    package = {f.name: f.read_text() for f in sorted(pkg.iterdir()) if f.name == "env.json" or f.suffix == ".py"}
-    key = stable_hash({"grpo": _plain(g), "engine": _engine_spec(cfg), "backbone": backbone_dict(cfg), "env": package},
+    grpo = {**_plain(cfg.grpo), **({"iterations": iterations} if iterations else {})}
+    key = stable_hash({"grpo": grpo, "engine": _engine_spec(cfg), "backbone": backbone_dict(cfg), **identity},
                       length=20)
-    n_seeds = g.groups * g.iterations
 
     def compute(work: Path) -> None:
-        settings = OmegaConf.to_object(g).settings()
-        settings.save_rollouts = "full"  # successful rollouts (with tokens) are the MoE gate's data
+        settings = OmegaConf.to_object(cfg.grpo).settings()
+        settings.iterations = grpo["iterations"]
+        settings.save_rollouts = "full"  # successful rollouts (with tokens) are the MoE gate's and SFT's data
         spec = TrainSpec(
             model=Factory("tracekit.llm.backbones:load_backbone",
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
-            env=Factory("tracekit.synthesis.stage:open_package",
-                        {"pkg_dir": str(pkg), "seeds": list(range(TRAIN_SEED_OFFSET, TRAIN_SEED_OFFSET + n_seeds))}),
-            out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format,
-            engine=_engine_spec(cfg))
+            env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg))
         launcher = LauncherSettings(**_plain(cfg.launcher))
         logger = ctx.record.logger
-        train(spec, launcher, callbacks=[lambda row: logger.scalars({f"train/{capability}/{k}": v
-                                                                      for k, v in row.items()})])
+        train(spec, launcher, callbacks=[lambda row: logger.scalars({f"train/{label}/{k}": v for k, v in row.items()})])
 
     t0 = time.time()
-    art = ctx.cache.get_or_compute("adapters", key, compute, meta={"capability": capability})
+    art = ctx.cache.get_or_compute("adapters", key, compute, meta={"capability": label})
     ctx.use(art, time.time() - t0)
     return art
 
@@ -418,71 +443,26 @@ def train_report(art: Artifact, ctx: StageContext) -> None:
     import csv
 
     rows = ["| capability | iterations | first reward | last reward | discarded groups (last) |", "|---|---|---|---|---|"]
-    for cap, a in read_json(art.path / "adapters.json").items():
-        metrics = list(csv.DictReader(open(Path(a["path"]) / "metrics.csv")))
+    for cap, a in adapters_of(art).items():
+        metrics = list(csv.DictReader(open(a.path / "metrics.csv")))
         first, last = metrics[0], metrics[-1]
         rows.append(f"| {cap} | {len(metrics)} | {float(first['reward_mean']):.3f} | {float(last['reward_mean']):.3f} "
                     f"| {float(last['frac_groups_dropped']):.2f} |")
     ctx.record.section("GRPO adapters", "\n".join(rows))
 
 
-def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
-    """Token rows of a capability's GRPO rollouts (its own adapter in its own env) for gate training."""
-    from tracekit.artifacts import read_jsonl
-    from tracekit.moe.gate import GateExample
-    from tracekit.rl.tokens import Turn, build_rows
-    from tracekit.types import Trajectory
-
-    out = []
-    for f in sorted((adapter_dir / "rollouts").glob("iter_*.jsonl")):
-        for t in read_jsonl(f, Trajectory):
-            if successes_only and not t.success:
-                continue
-            for rec in build_rows([Turn.from_dict(x) for x in t.info["turns"]]):
-                out.append(GateExample(rec.token_ids, rec.loss_mask))
-    return out
-
-
 def compose_stage(ctx: StageContext) -> None:
-    from tracekit.llm.backbones import load_backbone
-    from tracekit.moe.gate import GateTrainConfig, mix_uniformly, train_gates, write_log_csv
-    from tracekit.moe.model import MoEConfig, build_lora_moe
+    """The configured consolidation strategy over the capability adapters (paper Table 4)."""
+    from tracekit.methods.consolidate import STRATEGIES, write_consolidated
 
-    cfg, m = ctx.cfg, ctx.cfg.moe
-    adapters = read_json(ctx.inputs["train"].path / "adapters.json")
-    groups = {cap: gate_examples(Path(a["path"]), m.gate_data == "successes") for cap, a in adapters.items()}
-    empty = [c for c, ex in groups.items() if not ex]
-    if empty:
-        raise RuntimeError(f"compose: no {m.gate_data} gate-training rollouts for {', '.join(empty)} "
-                           "(moe.gate_data=all trains the gate on every GRPO rollout)")
-    examples = mix_uniformly(groups, seed=ctx.seed, per_group=m.trajectories_per_capability)
-    backbone, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
-    model = build_lora_moe(backbone, {c: str(Path(a["path"]) / "adapter") for c, a in adapters.items()},
-                           MoEConfig(top_k=m.top_k, renormalize=m.renormalize, impl=m.impl, train_top_k=m.train_top_k,
-                                     include_base_slot=m.base_slot, gate_init_std=m.gate_init_std, seed=ctx.seed),
-                           backbone_spec={"tracekit_backbone": backbone_dict(cfg)})
-    log_rows = train_gates(model, examples, GateTrainConfig(
-        lambda_lb=m.lambda_lb, lr=m.lr, weight_decay=m.weight_decay, steps=m.steps, batch_size=m.batch_size,
-        max_grad_norm=m.max_grad_norm, ce_chunk=m.ce_chunk, seed=ctx.seed,
-        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-        gradient_checkpointing=m.gradient_checkpointing))
-    write_log_csv(log_rows, ctx.work_dir / "gate_log.csv")
-    for row in log_rows:
-        ctx.record.logger.scalars({f"moe/{k}": v for k, v in row.items()})
-    model.save(ctx.work_dir / "moe")
-    atomic_write_json(ctx.work_dir / "compose.json", {
-        "capabilities": list(adapters), "examples": len(examples),
-        "first": {k: log_rows[0][k] for k in ("loss", "ce", "lb")},
-        "last": {k: log_rows[-1][k] for k in ("loss", "ce", "lb")}, "parameters": model.parameter_counts()})
+    strategy = STRATEGIES[ctx.cfg.consolidation.method]
+    write_consolidated(ctx.work_dir, strategy, strategy.consolidate(ctx, adapters_of(ctx.inputs["train"])))
 
 
 def compose_report(art: Artifact, ctx: StageContext) -> None:
-    c = read_json(art.path / "compose.json")
-    ctx.record.section("LoRA mixture of experts", (
-        f"{len(c['capabilities'])} experts ({', '.join(c['capabilities'])}), {c['examples']} gate examples; "
-        f"loss {c['first']['loss']:.3f} -> {c['last']['loss']:.3f} (CE {c['first']['ce']:.3f} -> {c['last']['ce']:.3f}, "
-        f"LB {c['first']['lb']:.3f} -> {c['last']['lb']:.3f}).\n\nParameters: "
-        + ", ".join(f"{k}: {v:,}" for k, v in c["parameters"].items() if isinstance(v, int))))
+    from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES
+
+    STRATEGIES[read_json(art.path / CONSOLIDATED)["strategy"]].report(art, ctx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,73 +479,121 @@ def is_zero_update(adapter_dir: Path) -> bool:
         return bool(names) and all(not f.get_tensor(n).any() for n in names)
 
 
+def policy_trajectories(ctx: StageContext, policy: Any) -> list[Any]:
+    """The policy's trajectories on the target's test tasks: one cached rollout per distinct policy. The
+    base policy, and an adapter that is the zero update (B = 0: the base model's outputs bit for bit), read
+    the base rollout."""
+    if policy.kind == "base" or (policy.kind == "adapter" and is_zero_update(policy.weights.path / policy.subdir)):
+        return trajectories_of(ctx.inputs["rollout"])
+    return read_trajectories_dir(cached_rollout(ctx, policy))
+
+
 def evaluate_stage(ctx: StageContext) -> None:
+    """One loop over every method's policy rows; each method keeps the rows its table shows."""
     from tracekit.evaluate import summarize, write_results
+    from tracekit.methods import METHODS
 
     results: dict[str, Any] = {}
-    for method in ctx.cfg.eval.methods:
-        if method == "base":
-            results["Base"] = summarize(trajectories_of(ctx.inputs["rollout"]))
-        elif method == "single_capability":  # every adapter alone; the table keeps the best (paper Table 1)
-            adapters = read_json(ctx.inputs["train"].path / "adapters.json")
-            scored = {}
-            for cap, a in adapters.items():
-                art = ctx.cache.lookup("adapters", a["key"])
-                if art is None:  # never fall back to rolling out the base model under an adapter's name
-                    raise FileNotFoundError(f"adapter {cap}: cache entry adapters/{a['key']} is gone; re-run stage train")
-                if is_zero_update(art.path / "adapter"):  # B = 0 everywhere: the base model's outputs, bit for bit
-                    log.info("single %s: the adapter is the zero update (no GRPO step was taken): "
-                             "its rollout is the base rollout", cap)
-                    scored[cap] = results.get("Base") or summarize(trajectories_of(ctx.inputs["rollout"]))
-                    continue
-                scored[cap] = summarize(read_trajectories_dir(cached_rollout(ctx, f"single:{cap}", art, "adapter")))
-            best = max(scored, key=lambda c: (scored[c]["overall"]["pass_rate"], c))
-            results[f"Single Capability GRPO ({best})"] = scored[best]
-        elif method == "trace":
-            results["TRACE"] = summarize(read_trajectories_dir(cached_rollout(ctx, "trace", ctx.inputs["compose"], "moe")))
+    for name in ctx.cfg.eval.methods:
+        method = METHODS[name]
+        rows = method.rows(ctx)
+        scored = {row.label: summarize(policy_trajectories(ctx, row.policy)) for row in rows}
+        for row in rows:
+            if row.label in method.keep(scored):
+                results[row.label] = {**scored[row.label], "method": name, "budget": row.budget.to_dict(),
+                                      "notes": list(row.notes)}
     write_results(ctx.work_dir, results)
 
 
 def evaluate_report(art: Artifact, ctx: StageContext) -> None:
-    from tracekit.evaluate import markdown_table, wandb_rows
+    from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
 
-    results = read_json(art.path / "results.json")
-    table = markdown_table(results)
+    results = read_json(art.path / RESULTS)
+    notes = [f"- {label}: {n}" for label, r in results.items() for n in r.get("notes", ())]
+    table = markdown_table(results) + ("\n" + "\n".join(notes) + "\n" if notes else "")
     print(f"\n{ctx.cfg.benchmark.name} ({ctx.cfg.backbone.name}, eval={ctx.cfg.eval.mode}):\n{table}\n", flush=True)
     ctx.record.section("Evaluation", table)
+    atomic_write_json(ctx.record.run_dir / RESULTS, results, sort_keys=False)  # the run's own copy (a multirun's table reads it)
     cols, rows = wandb_rows(results)
     ctx.record.logger.table("eval/results", cols, rows)
 
 
 def evaluate_inputs(cfg: DictConfig) -> tuple[str, ...]:
-    methods = set(cfg.eval.methods)
-    return ("rollout",) + (("train",) if "single_capability" in methods else ()) + (("compose",) if "trace" in methods else ())
+    from tracekit.methods import METHODS
+
+    # rollout always: the base and zero-update policies read its episodes
+    return tuple(dict.fromkeys(["rollout", *(s for m in cfg.eval.methods for s in METHODS[m].inputs(cfg))]))
+
+
+_ANALYSIS_CLIENT = ("analysis.max_retries", "analysis.max_new_tokens", "analysis.compact_chars",
+                    "analysis.use_response_format")
+
+
+def discover_reads(cfg: DictConfig) -> tuple[str, ...]:
+    a = cfg.analysis
+    if a.discovery == "reference":  # a fixed dictionary: nothing else matters
+        return ("analysis.discovery",)
+    reads = ("analysis.discovery", "analysis.min_capabilities", "analysis.max_capabilities", *_ANALYSIS_CLIENT, "seed")
+    if a.discovery == "pinned":
+        return (*reads, "analysis.dictionary_path")
+    return (*reads, "analysis.endpoint", f"llm.endpoints.{a.endpoint}", "backbone", "agent")
+
+
+def label_reads(cfg: DictConfig) -> tuple[str, ...]:
+    a = cfg.analysis
+    if a.labeler == "reference":
+        return ("analysis.labeler", "analysis.label_noise", "thresholds.n", "seed")
+    return ("analysis.labeler", "analysis.temperature", "analysis.capabilities_per_call", "analysis.on_missing",
+            "analysis.chunk_size", "analysis.show_outcome", *_ANALYSIS_CLIENT, "analysis.endpoint",
+            f"llm.endpoints.{a.endpoint}", "backbone", "agent", "thresholds.n", "seed")
+
+
+def synthesize_reads(cfg: DictConfig) -> tuple[str, ...]:
+    sy = cfg.synthesis
+    reads = ["synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs"]
+    if sy.calibrate:  # calibration samples the base agent as GRPO does
+        reads += ["backbone", "agent", "grpo.temperature", "grpo.max_steps"]
+    if sy.source == "generate":
+        reads += [f"llm.endpoints.{sy.endpoint}", "backbone", "agent", "seed"]
+    return tuple(dict.fromkeys(reads))
+
+
+def compose_reads(cfg: DictConfig) -> tuple[str, ...]:
+    from tracekit.methods.consolidate import STRATEGIES
+
+    return ("consolidation.method", "backbone", "seed", *STRATEGIES[cfg.consolidation.method].reads(cfg))
+
+
+def compose_inputs(cfg: DictConfig) -> tuple[str, ...]:
+    from tracekit.methods.consolidate import STRATEGIES
+
+    return ("train", *STRATEGIES[cfg.consolidation.method].inputs)
+
+
+def evaluate_reads(cfg: DictConfig) -> tuple[str, ...]:
+    from tracekit.methods import METHODS
+
+    # each policy's rollout reads what the base rollout reads
+    return tuple(dict.fromkeys(["eval.methods", *rollout_reads(cfg), *(r for m in cfg.eval.methods
+                                                                       for r in METHODS[m].reads(cfg))]))
 
 
 def build_pipeline() -> Pipeline:
+    from tracekit.methods import METHODS
+
     return Pipeline([
-        Stage("rollout", reads=ROLLOUT_READS, inputs=(), compute=rollout_stage, report=rollout_report),
-        Stage("discover", reads=("analysis.discovery", "analysis.dictionary_path", "analysis.endpoint",
-                                 "analysis.max_retries", "analysis.min_capabilities", "analysis.max_capabilities",
-                                 "analysis.max_new_tokens", "analysis.compact_chars", "analysis.use_response_format",
-                                 "llm.endpoints.analysis"),
-              inputs=("rollout",), compute=discover_stage, key_extra=pinned_dictionary),
-        Stage("label", reads=("analysis.labeler", "analysis.label_noise", "analysis.temperature",
-                              "analysis.capabilities_per_call", "analysis.max_retries", "analysis.on_missing",
-                              "analysis.max_new_tokens", "analysis.chunk_size", "analysis.show_outcome",
-                              "analysis.compact_chars", "analysis.use_response_format", "analysis.endpoint",
-                              "llm.endpoints.analysis", "thresholds.n"),
-              inputs=("rollout", "discover"), compute=label_stage, report=label_report),
+        Stage("rollout", reads=rollout_reads, inputs=(), compute=rollout_stage, report=rollout_report),
+        Stage("discover", reads=discover_reads, inputs=("rollout",), compute=discover_stage,
+              key_extra=pinned_dictionary),
+        Stage("label", reads=label_reads, inputs=("rollout", "discover"), compute=label_stage, report=label_report),
         Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
-              compute=select_stage,
-              report=select_report, identity_files=("selected_names.json",)),
-        Stage("synthesize", reads=("synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs"),
-              inputs=("select", "rollout"), compute=synthesize_stage, report=synthesize_report),
+              compute=select_stage, report=select_report, identity_files=("selected_names.json",)),
+        Stage("synthesize", reads=synthesize_reads, inputs=("select", "rollout"), compute=synthesize_stage,
+              report=synthesize_report),
         Stage("train", reads=("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS), inputs=("synthesize",),
-              compute=train_stage,
-              report=train_report),
-        Stage("compose", reads=("moe", "consolidation"), inputs=("train",), compute=compose_stage,
-              report=compose_report),
-        Stage("evaluate", reads=("eval.methods",), inputs=evaluate_inputs, compute=evaluate_stage,
+              compute=train_stage, report=train_report),
+        Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report),
+        Stage("evaluate", reads=evaluate_reads, inputs=evaluate_inputs, compute=evaluate_stage,
               report=evaluate_report),
+        *(stage for method in METHODS.values() for stage in method.stages),
     ])

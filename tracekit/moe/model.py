@@ -339,7 +339,7 @@ class LoRAMoEModel(nn.Module):
                     if not (src / f).is_file():
                         raise FileNotFoundError(f"adapter {name}: {src / f} no longer exists; cannot copy it")
                     shutil.copyfile(src / f, tmp / rel / f)
-                entries.append({"name": name, "dir": rel, "source": str(src)})
+                entries.append({"name": name, "dir": rel, "source": f"{src.parent.name}/{src.name}"})  # not a path: the cache can move
             gates = {
                 f"{b}.{k}": v.detach().float().cpu().contiguous()
                 for b, g in self.gates.items()

@@ -1,4 +1,5 @@
-"""Run logging: W&B (offline by default: no key, no network) or nothing, behind one small interface."""
+"""Run logging: W&B (offline by default: no key, no network) or nothing, behind one small interface; tracebacks
+kept out of the terminal."""
 
 from __future__ import annotations
 
@@ -50,3 +51,14 @@ class RunLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+def log_traceback_to_file(logger: logging.Logger, message: str, exc: BaseException) -> str | None:
+    """``logger.exception(message)`` into the log file only (the terminal's handlers never see it); the file's
+    path (Hydra's ``<run_dir>/<job name>.log``), None when logging writes no file."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    exc_info = (type(exc), exc, exc.__traceback__)
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, (), exc_info)
+    for handler in files:
+        handler.handle(record)
+    return files[0].baseFilename if files else None

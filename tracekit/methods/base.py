@@ -1,0 +1,114 @@
+"""What a method hands to evaluation: policies (the backbone plus at most one set of weights) and budgets.
+
+A :class:`Method` is one row family of a paper table (``base``, ``single_capability``, ``trace``, ...).
+It names the pipeline stages it needs (``inputs``), may add stages of its own (``stages``), and turns
+their artifacts into :class:`PolicyRow`\\ s. Evaluation is one loop over those rows: one cached rollout
+per distinct policy (see :func:`tracekit.stages.evaluate_stage`).
+"""
+
+from __future__ import annotations
+
+import csv
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from tracekit.artifacts import COMPLETE, Artifact, read_json
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from tracekit.pipeline import Stage, StageContext
+
+PolicyKind = Literal["base", "adapter", "moe"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The backbone, alone or with the peft adapter / LoRA-MoE saved at ``weights.path / subdir``."""
+
+    kind: PolicyKind = "base"
+    weights: Artifact | None = None
+    subdir: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.kind == "base") != (self.weights is None):
+            raise ValueError(f"policy kind {self.kind!r} {'takes no' if self.kind == 'base' else 'needs'} weights")
+
+    def identity(self) -> dict[str, Any]:
+        """What the policy's rollout depends on (content, not location): part of its cache key."""
+        return {"kind": self.kind, "weights": self.weights.content_key if self.weights else None, "subdir": self.subdir}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What producing a policy consumed (paper: consolidations compared at matched budgets)."""
+
+    episodes: int = 0  # environment episodes rolled out for training (evaluation not counted)
+    generated_tokens: int = 0  # tokens sampled during training
+    optimizer_steps: int = 0
+
+    def __add__(self, other: Budget) -> Budget:
+        return Budget(self.episodes + other.episodes, self.generated_tokens + other.generated_tokens,
+                      self.optimizer_steps + other.optimizer_steps)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"episodes": self.episodes, "generated_tokens": self.generated_tokens,
+                "optimizer_steps": self.optimizer_steps}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Budget:
+        return cls(int(d["episodes"]), int(d["generated_tokens"]), int(d["optimizer_steps"]))
+
+
+def budget_sum(budgets: Any) -> Budget:
+    total = Budget()
+    for b in budgets:
+        total = total + b
+    return total
+
+
+def grpo_budget(adapter: Artifact) -> Budget:
+    """A GRPO run's budget from its artifact: episodes = rollout rows (counted by the verified manifest),
+    tokens and optimizer steps summed over ``metrics.csv``."""
+    files = read_json(adapter.path / COMPLETE)["files"]
+    episodes = sum(f.get("rows", 0) for rel, f in files.items() if rel.startswith("rollouts/"))
+    with open(adapter.path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return Budget(episodes, sum(int(float(r["tokens_generated"] or 0)) for r in rows),
+                  sum(int(float(r["optimizer_steps"] or 0)) for r in rows))
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """One row of a results table."""
+
+    label: str
+    policy: Policy
+    budget: Budget
+    notes: tuple[str, ...] = ()
+
+
+class Method(ABC):
+    """A row family of the paper's tables: one module under ``tracekit/methods/``, registered by name."""
+
+    name: str  # the ``eval.methods`` entry and the ``method:`` of experiments/*.yaml rows
+    summary: str  # one line, for errors and docs
+    stages: tuple[Stage, ...] = ()  # stages of its own, added to the pipeline
+
+    @abstractmethod
+    def inputs(self, cfg: DictConfig) -> tuple[str, ...]:
+        """The pipeline stages whose artifacts :meth:`rows` reads."""
+
+    def reads(self, cfg: DictConfig) -> tuple[str, ...]:
+        """Config values its rows depend on beyond its inputs' content (added to evaluate's key)."""
+        return ()
+
+    @abstractmethod
+    def rows(self, ctx: StageContext) -> list[PolicyRow]:
+        """The policies to evaluate, each with its label and budget."""
+
+    def keep(self, results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Which evaluated rows (label -> summary) the table shows; all by default."""
+        return list(results)

@@ -1,0 +1,103 @@
+"""Merges of the capability adapters into one peft adapter (paper Table 4; math in :mod:`tracekit.merging`).
+
+- ``merge_cat``: exact: factors concatenated (rank = sum of ranks), so dW = sum_i dW_i; ranks and target
+  modules may differ.
+- ``merge_linear`` / ``merge_ties`` / ``merge_dare_ties``: combined on the full dW_i (never on A and B
+  separately, which drops the cross terms), then re-factored by truncated SVD to ``merge.rank``.
+- ``merge_core_tsv``: Core Space merging with TSV-M and TIES sign resolution in the core, on the factors.
+
+Every merge scales the merged update by ``lam``. One adapter: the merge is that adapter, unchanged (noted
+in the table). The equal-shape merges refuse adapters whose ranks or target modules differ, in one line
+naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tracekit.artifacts import Artifact
+from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+
+SUBDIR = "adapter"
+
+
+def _scaled(factors: dict[str, Any], lam: float) -> dict[str, Any]:
+    from tracekit.merging.lora_io import LoraFactors
+
+    return {m: LoraFactors(f.A, f.B * lam, f.scale) for m, f in factors.items()} if lam != 1.0 else factors
+
+
+class Merge(Strategy):
+    """One merge, as ``merge(adapters: {capability: {module: LoraFactors}}, settings, seed)``."""
+
+    def __init__(self, name: str, label: str, group: str, merge: Callable[[dict, Any, int], dict], summary: str):
+        self.name, self.label, self.group, self._merge, self.summary = name, label, group, merge, summary
+
+    def reads(self, cfg):
+        return (f"consolidation.{self.group}",)
+
+    def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
+        from tracekit.merging.lora_io import read_adapter_config, read_lora_adapter, write_lora_adapter
+
+        budget = adapters_budget(adapters)  # a merge consumes nothing beyond the adapters' GRPO runs
+        out = ctx.work_dir / SUBDIR
+        if len(adapters) == 1:
+            (cap, art), = adapters.items()
+            return Consolidated("adapter", "adapter", budget, weights=art,
+                                notes=(f"one capability adapter ({cap}): the merge is that adapter, unchanged",))
+        factors = {cap: read_lora_adapter(a.path / "adapter") for cap, a in adapters.items()}
+        settings = ctx.cfg.consolidation[self.group]
+        merged = self._merge(factors, settings, ctx.seed)
+        first = next(iter(adapters.values()))
+        write_lora_adapter(out, merged, base_config=read_adapter_config(first.path / "adapter"))
+        ranks = sorted({f.rank for f in merged.values()})
+        return Consolidated("adapter", SUBDIR, budget, notes=(f"{self.summary}; merged rank {'/'.join(map(str, ranks))} "
+                                                        f"over {len(adapters)} adapters",))
+
+
+def _weights(settings: Any, n: int, default: float) -> list[float]:
+    return list(settings.weights) if settings.weights is not None else [default] * n
+
+
+def _cat(factors, s, seed):
+    from tracekit.merging.merges import merge_cat
+
+    return _scaled(merge_cat(factors), s.lam)
+
+
+def _linear(factors, s, seed):
+    from tracekit.merging.merges import merge_linear
+
+    return _scaled(merge_linear(factors, _weights(s, len(factors), 1.0 / len(factors)), rank=s.rank), s.lam)
+
+
+def _ties(factors, s, seed):
+    from tracekit.merging.merges import merge_ties
+
+    return _scaled(merge_ties(factors, s.density, _weights(s, len(factors), 1.0), s.majority_sign, rank=s.rank),
+                   s.lam)
+
+
+def _dare_ties(factors, s, seed):
+    from tracekit.merging.merges import merge_dare_ties
+
+    return _scaled(merge_dare_ties(factors, s.density, _weights(s, len(factors), 1.0), seed=seed,
+                                   majority_sign=s.majority_sign, rank=s.rank), s.lam)
+
+
+def _core_tsv(factors, s, seed):
+    from tracekit.merging.core_space import core_tsv_merge
+
+    return core_tsv_merge(factors, lam=s.lam, density=s.density, majority_sign=s.majority_sign,
+                          isotropize=s.isotropize, rank_policy=s.rank_policy)
+
+
+MERGES = (
+    Merge("merge_cat", "Merge: concatenation", "merge", _cat, "exact concatenation of the factors (sum of dW)"),
+    Merge("merge_linear", "Merge: linear", "merge", _linear, "weighted sum of dW, SVD re-factored"),
+    Merge("merge_ties", "Merge: TIES", "merge", _ties, "TIES (trim, elect sign, disjoint mean) on dW"),
+    Merge("merge_dare_ties", "Merge: DARE-TIES", "merge", _dare_ties, "DARE drop + TIES on dW (seeded)"),
+    Merge("merge_core_tsv", "CORE-TSV", "core_tsv", _core_tsv,
+          "Core Space merge, TIES sign resolution and TSV-M in the core"),
+)

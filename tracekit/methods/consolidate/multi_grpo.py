@@ -1,0 +1,52 @@
+"""``multi_grpo``: one adapter trained with GRPO on a uniform mixture of all selected capability environments
+(paper Table 4; official ``train_mixed_grpo_cmd.sh``). Each group is K rollouts of one task, hence of one
+environment; tasks are drawn uniformly (seeded by ``grpo.seed``) from equal numbers per environment.
+
+Budget: by default the per-capability runs' summed episodes (``consolidation.budget.episodes: null``): the
+same ``grpo`` settings for ``iterations x T`` iterations. It does not reuse the capability adapters.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tracekit.artifacts import Artifact, read_json
+from tracekit.methods.base import grpo_budget
+from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+
+
+def matched_iterations(cfg, n_capabilities: int, episodes: int | None) -> int:
+    """GRPO iterations giving ``episodes`` (default: ``n_capabilities`` runs of ``grpo.iterations``)."""
+    g = cfg.grpo
+    if episodes is None:
+        return g.iterations * n_capabilities
+    return max(1, math.ceil(episodes / (g.groups * g.group_size)))
+
+
+class MultiGRPO(Strategy):
+    name = "multi_grpo"
+    label = "Multi Capability GRPO"
+    inputs = ("synthesize",)
+
+    def reads(self, cfg):
+        from tracekit.stages import AGENT_ENGINE_READS
+
+        return ("grpo", "launcher.kind", *AGENT_ENGINE_READS, "consolidation.budget")
+
+    def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
+        from tracekit.rl.launch import Factory
+        from tracekit.stages import grpo_run, package_identity, train_seeds
+
+        syn = ctx.inputs["synthesize"]
+        ready = [e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
+                 if e["status"] == "ready"]
+        pkgs = {cap: syn.path / cap for cap in sorted(ready)}
+        iterations = matched_iterations(ctx.cfg, len(pkgs), ctx.cfg.consolidation.budget.episodes)
+        env = Factory("tracekit.synthesis.mixture:open_mixture",
+                      {"pkg_dirs": [str(p) for p in pkgs.values()], "seeds": train_seeds(ctx.cfg, iterations)})
+        art = grpo_run(ctx, "multi_grpo", env, {"mixture": {c: package_identity(p) for c, p in pkgs.items()}},
+                       iterations=iterations)
+        target = adapters_budget(adapters)
+        return Consolidated("adapter", "adapter", grpo_budget(art), weights=art, notes=(
+            f"GRPO on the uniform mixture of {len(pkgs)} environments for {iterations} iterations "
+            f"(per-capability runs: {target.episodes:,} episodes in all)",))

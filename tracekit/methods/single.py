@@ -1,0 +1,25 @@
+"""``single_capability``: each capability's GRPO adapter alone; the table keeps the best (paper Table 1)."""
+
+from __future__ import annotations
+
+from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
+
+PREFIX = "Single Capability GRPO"
+
+
+class SingleCapability(Method):
+    name = "single_capability"
+    summary = "the best of the per-capability GRPO adapters, each evaluated alone"
+
+    def inputs(self, cfg):
+        return ("train",)
+
+    def rows(self, ctx):
+        from tracekit.stages import adapters_of
+
+        return [PolicyRow(f"{PREFIX} ({cap})", Policy("adapter", art, "adapter"), grpo_budget(art))
+                for cap, art in adapters_of(ctx.inputs["train"]).items()]
+
+    def keep(self, results):
+        best = max(results, key=lambda label: (results[label]["overall"]["pass_rate"], label))
+        return [best]

@@ -1,0 +1,69 @@
+"""One side-by-side table over the jobs of a multirun (``-m sweep=consolidation``): a Hydra callback.
+
+Each job writes its evaluation (``results.json``) into its own run dir; when the multirun ends, the rows of
+every job are gathered into one table: rows shared by all jobs (Base, best Single: the same cached upstream)
+once, then each job's own rows (one per strategy), with the budgets beside the pass rates. Written to
+``<sweep dir>/results.md`` and ``results.json``, printed, and logged to W&B as one table.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from tracekit.artifacts import read_json
+from tracekit.evaluate import RESULTS
+
+log = logging.getLogger(__name__)
+
+
+def gather_rows(job_dirs: list[Path]) -> tuple[dict[str, Any], list[str]]:
+    """The merged rows (label -> result) of the jobs' results, and notes on jobs that wrote none or disagree."""
+    rows: dict[str, Any] = {}
+    notes = []
+    for job in job_dirs:
+        path = job / RESULTS
+        if not path.is_file():
+            notes.append(f"job {job.name}: no results (it failed or stopped before evaluate; see {job}/summary.md)")
+            continue
+        for label, result in read_json(path).items():
+            if label in rows and _rates(rows[label]) != _rates(result):
+                notes.append(f"job {job.name}: row {label!r} differs from an earlier job's")
+                label = f"{label} (job {job.name})"
+            rows.setdefault(label, result)
+    return rows, notes
+
+
+def _rates(result: dict[str, Any]) -> Any:
+    return result["overall"]["solved"], result["overall"]["total"]
+
+
+class SideBySideTable(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from tracekit.artifacts import atomic_write_json, atomic_write_text
+        from tracekit.evaluate import markdown_table, wandb_rows
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        rows, notes = gather_rows(jobs)
+        if not rows:
+            log.error("multirun: no job wrote results (%s)", sweep_dir)
+            return
+        table = markdown_table(rows) + "".join(f"\n- {n}" for n in notes)
+        atomic_write_json(sweep_dir / RESULTS, rows, sort_keys=False)
+        atomic_write_text(sweep_dir / "results.md", table + "\n")
+        print(f"\n{config.name}: {len(jobs)} jobs ({sweep_dir})\n{table}\n", flush=True)
+        if config.logger.kind == "wandb":
+            import wandb
+
+            run = wandb.init(project=config.logger.project, entity=config.logger.entity, name=f"{config.name}-table",
+                             dir=str(sweep_dir), mode=config.logger.mode, reinit="finish_previous",
+                             config={"jobs": len(jobs), "sweep_dir": str(sweep_dir),
+                                     "overrides": OmegaConf.to_container(config.hydra.overrides, resolve=False)})
+            cols, data = wandb_rows(rows)
+            run.log({"sweep/results": wandb.Table(columns=cols, data=data)})
+            run.finish()
