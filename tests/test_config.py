@@ -134,7 +134,8 @@ FREE_TEXT = {"benchmark.name", "benchmark.task_ids", "backbone.name", "backbone.
              "analysis.dictionary_path", "analysis.endpoint", "synthesis.endpoint", "grpo.lora.target_modules",
              "grpo.lora.target_parameters", "llm.endpoints.*.base_url", "llm.endpoints.*.model",
              "llm.endpoints.*.api_key_env", "logger.project", "logger.entity", "paths.root_dir", "paths.cache_dir",
-             "paths.run_dir", "name"}
+             "paths.run_dir", "name", *(f"consolidation.{g}.lora.{k}" for g in ("sft", "distill")
+                                        for k in ("target_modules", "target_parameters"))}
 
 
 def test_every_numeric_field_has_a_range_and_every_string_a_choice_list():

@@ -21,8 +21,11 @@ from typing import Any, get_args, get_origin, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
+from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
+from tracekit.rl.sft import SFTSettings
 
 
 
@@ -82,11 +85,10 @@ class UserConfig:
 
 
 @dataclass
-class ThresholdsConfig:
-    delta: float = 0.20  # contrastive gap ER- - ER+ (paper sec. 3.3)
-    rho: float = 0.10  # failure coverage
-    k: int = 8  # keep a capability selected in at least k ...
-    n: int = 10  # ... of n independent labeling runs
+class ThresholdsConfig(Thresholds):
+    """The selection's own dataclass (one schema: its checks run in validate()); the Literal typed as str for
+    OmegaConf."""
+
     undefined_er_pos: str = "zero"  # no applicable success: ER+ := 0 (flagged) | unselectable
 
 
@@ -189,11 +191,20 @@ class CoreTSVConfig:
 
 
 @dataclass
+class SftConfig(SFTSettings):
+    """sft_synthetic: the SFT recipe's settings, plus which GRPO trajectories it trains on."""
+
+    data: str = "successes"  # successes (the paper) | all
+
+
+@dataclass
 class ConsolidationConfig:
     method: str = "moe"  # a name of tracekit.methods.consolidate.STRATEGIES (conf/consolidation/<name>.yaml)
     budget: ConsolidationBudgetConfig = field(default_factory=ConsolidationBudgetConfig)
     merge: MergeConfig = field(default_factory=MergeConfig)
     core_tsv: CoreTSVConfig = field(default_factory=CoreTSVConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+    distill: DistillSettings = field(default_factory=DistillSettings)  # iterations: from the budget
 
 
 @dataclass
@@ -296,6 +307,17 @@ RANGES: dict[str, str] = {
     "consolidation.budget.episodes": ">= 1", "consolidation.merge.weights": "[-10, 10]",
     "consolidation.merge.density": "(0, 1]", "consolidation.merge.rank": ">= 1", "consolidation.merge.lam": "> 0",
     "consolidation.core_tsv.lam": "> 0", "consolidation.core_tsv.density": "(0, 1]",
+    **{f"consolidation.{g}.{k}": v for g in ("sft", "distill") for k, v in {
+        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
+        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
+        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)"}.items()},
+    "consolidation.sft.epochs": ">= 1", "consolidation.sft.batch_size": ">= 1", "consolidation.sft.warmup_ratio": "[0, 1)",
+    "consolidation.distill.iterations": ">= 1", "consolidation.distill.groups": ">= 1",
+    "consolidation.distill.samples_per_task": ">= 1", "consolidation.distill.temperature": "> 0",
+    "consolidation.distill.top_p": "(0, 1]", "consolidation.distill.kl_coef": "> 0",
+    "consolidation.distill.max_new_tokens": ">= 1", "consolidation.distill.max_steps": ">= 1",
+    "consolidation.distill.max_prompt_tokens": ">= 256", "consolidation.distill.num_minibatches": ">= 1",
+    "consolidation.distill.rollout_batch_size": ">= 1",
     "seed": ">= 0",
 }
 
@@ -362,6 +384,12 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "consolidation.merge.majority_sign": ("total", "frequency"),
     "consolidation.core_tsv.majority_sign": ("total", "frequency"),
     "consolidation.core_tsv.rank_policy": ("full", "truncate"),
+    "consolidation.sft.data": ("successes", "all"),
+    "consolidation.sft.schedule": ("linear", "constant"),
+    "consolidation.sft.dtype": ("auto", "float32", "bfloat16"),
+    "consolidation.distill.rollout_fast": ("auto", "on", "off"),
+    "consolidation.distill.dtype": ("auto", "float32", "bfloat16"),
+    "consolidation.distill.save_rollouts": ("none", "messages", "full"),
     "llm.endpoints.*.kind": ("hf", "openai"),
     "eval.mode": ("greedy", "stochastic"),
     "eval.methods": _method_names,
@@ -496,12 +524,15 @@ def validate(cfg: DictConfig) -> None:
     sy = cfg.synthesis
     _check(sy.target_low <= sy.target_high, "synthesis.target_low", sy.target_low,
            f"<= synthesis.target_high={sy.target_high}")
-    for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings)):
-        values = OmegaConf.to_container(cfg[group], resolve=True)
+    for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings), ("thresholds", Thresholds),
+                          ("consolidation.sft", SFTSettings), ("consolidation.distill", DistillSettings)):
+        values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
         try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
             schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
+           cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
     if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
         _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
                "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")

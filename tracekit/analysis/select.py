@@ -18,8 +18,8 @@ from tracekit.analysis.stats import UndefinedErPos, label_grid, passes, stats_ta
 from tracekit.types import Capability, Label, LabelValue
 
 
-@dataclass(frozen=True)
-class Thresholds:
+@dataclass
+class Thresholds:  # not frozen: the ``thresholds`` config schema subclasses it
     """delta (Delta >= delta), rho (Cov >= rho), K of N runs; paper defaults 0.20, 0.10, 8 of 10.
 
     ``undefined_er_pos``: ``zero`` treats an undefined ER+ (no applicable success) as 0 and flags
@@ -33,8 +33,8 @@ class Thresholds:
     undefined_er_pos: UndefinedErPos = "zero"
 
     def __post_init__(self) -> None:
-        if not -1.0 <= self.delta <= 1.0:
-            raise ValueError(f"thresholds.delta must be in [-1, 1], got {self.delta}")
+        if not 0.0 <= self.delta <= 1.0:  # a gap ER- - ER+ below 0 would select what successes lack more
+            raise ValueError(f"thresholds.delta must be in [0, 1], got {self.delta}")
         if not 0.0 <= self.rho <= 1.0:
             raise ValueError(f"thresholds.rho must be in [0, 1], got {self.rho}")
         if not 1 <= self.k <= self.n:

@@ -14,19 +14,10 @@ from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_b
 
 def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
     """Token rows of a capability's GRPO rollouts (its own adapter in its own env) for gate training."""
-    from tracekit.artifacts import read_jsonl
     from tracekit.moe.gate import GateExample
-    from tracekit.rl.tokens import Turn, build_rows
-    from tracekit.types import Trajectory
+    from tracekit.rl.sft import sft_examples
 
-    out = []
-    for f in sorted((adapter_dir / "rollouts").glob("iter_*.jsonl")):
-        for t in read_jsonl(f, Trajectory):
-            if successes_only and not t.success:
-                continue
-            for rec in build_rows([Turn.from_dict(x) for x in t.info["turns"]]):
-                out.append(GateExample(rec.token_ids, rec.loss_mask))
-    return out
+    return [GateExample(ids, mask) for ids, mask in sft_examples([adapter_dir], successes_only)]
 
 
 class LoRAMoE(Strategy):

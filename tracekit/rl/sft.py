@@ -1,0 +1,406 @@
+"""SFT of one LoRA adapter on exact token rows (paper App. C, "SFT Synthetic").
+
+The consolidation baseline trains a single adapter on the successful trajectories of all the
+synthesized capability environments (official: TRL SFT, LoRA r 32, lr 2e-5). Its data are the
+capability GRPO runs' own rollouts (``grpo.save_rollouts=full``): :func:`sft_examples` turns each
+successful trajectory's recorded turns into the exact rows GRPO trained on (``tokens.build_rows``:
+the prompt ids the policy received, the ids it sampled), nothing re-tokenized.
+
+One optimizer step, top to bottom (:func:`train_sft`):
+
+1. the step's batch: ``batch_size`` examples of this epoch's seeded permutation (the last batch
+   of an epoch may be smaller);
+2. the learning rate of the step (linear decay to 0 after an optional warmup, TRL's default; or
+   constant);
+3. length-bucketed microbatches -> chunked log-probs of the assistant tokens (``loss_mask``) ->
+   ``-sum log p / N_batch`` -> backward, where ``N_batch`` is the number of assistant tokens of the
+   *whole batch* (all microbatches): the loss is the token mean over the batch, as TRL's
+   ``num_items_in_batch`` normalization, so the microbatch split never changes the gradient;
+4. clip the gradient norm; AdamW on the adapter only;
+5. a metrics row; a checkpoint every ``checkpoint_every`` steps (adapter, optimizer, RNG, step).
+
+Context tokens (system/user/tool messages, the chat template's markup) are inputs only: the
+loss never sees their log-probs.
+
+Defaults and why: lr 2e-5, r 32 (alpha 64, as the GRPO adapters), 3 epochs, 8 examples per step,
+max grad norm 1.0, linear schedule without warmup: the official TRACE SFT baseline runs TRL's
+SFTTrainer with lr 2e-5 and r 32; the rest are TRL's ``SFTConfig`` defaults.
+
+The second half of this module holds recipe components the distillation recipe shares and that
+``GRPOTrainer`` keeps privately (single-process checkpoints, adapter saving, metrics CSV,
+seeding); they are meant to move to a shared components module.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracekit.artifacts import atomic_write_json, atomic_write_text, iter_jsonl, read_json
+from tracekit.rl.fused import set_fused_update_kernels
+from tracekit.rl.settings import LoraSettings
+from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
+from tracekit.rl.trainer import (
+    LocalBackend,
+    _atomic_dir,
+    _rng_state,
+    _set_rng_state,
+    build_peft_model,
+    causal_lm,
+    sequence_logprobs,
+    set_activation_checkpointing,
+)
+from tracekit.types import stable_hash
+
+log = logging.getLogger(__name__)
+
+Example = tuple[list[int], list[int]]  # (token_ids, loss_mask): loss_mask[i] == 1 iff token i is the assistant's
+
+
+@dataclass
+class SFTSettings:
+    """Every knob of the SFT recipe."""
+
+    lr: float = 2e-5  # official TRACE SFT (TRL)
+    epochs: int = 3  # TRL default
+    batch_size: int = 8  # examples per optimizer step (TRL per_device_train_batch_size default)
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    schedule: str = "linear"  # linear (decay to 0, TRL default) | constant
+    warmup_ratio: float = 0.0  # fraction of the steps with a linear warmup from 0
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    microbatch_tokens: int = 8192  # padded tokens per forward/backward (length bucketing)
+    logprob_chunk: int = 1024  # rows of the [tokens x vocab] logits alive at once
+    gradient_checkpointing: bool = False
+    fused_update_kernels: bool = True  # as GRPO's: LoRA as bf16 addmm, fused RMSNorm (rl/fused.py)
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    seed: int = 0
+    checkpoint_every: int = 50  # optimizer steps
+    keep_checkpoints: int = 2
+    lora: LoraSettings = field(default_factory=LoraSettings)  # r 32 / alpha 64 (official SFT: r 32)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        check_settings("sft", self, [
+            (self.lr > 0, "lr", "> 0"),
+            (self.epochs >= 1, "epochs", ">= 1"),
+            (self.batch_size >= 1, "batch_size", ">= 1"),
+            (self.max_grad_norm >= 0, "max_grad_norm", ">= 0"),
+            (self.schedule in ("linear", "constant"), "schedule", "linear or constant"),
+            (0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)"),
+            (self.weight_decay >= 0, "weight_decay", ">= 0"),
+            (self.microbatch_tokens >= 1, "microbatch_tokens", ">= 1"),
+            (self.logprob_chunk >= 1, "logprob_chunk", ">= 1"),
+            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.checkpoint_every >= 1, "checkpoint_every", ">= 1"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints", ">= 1"),
+            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
+        ])  # fmt: skip
+
+
+SFT_METRIC_COLUMNS = [
+    "step", "epoch", "loss", "grad_norm", "lr", "examples", "tokens_trained", "tokens_forward",
+    "optimizer_steps", "tokens_generated", "episodes", "time_step_s",
+]  # fmt: skip
+# optimizer_steps / tokens_generated / episodes are per row (summed over the file they give the run's
+# budget, as for GRPO's metrics.csv); SFT samples nothing and rolls out nothing: its data's cost is
+# the GRPO runs that produced the rollouts.
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+
+
+def sft_examples(adapter_dirs: Iterable[str | Path], successes_only: bool = True) -> list[Example]:
+    """Exact training rows from GRPO runs' rollouts: ``(token_ids, loss_mask)`` per row.
+
+    ``adapter_dirs``: GRPO adapter artifact dirs, each with ``rollouts/iter_*.jsonl`` written with
+    ``save_rollouts=full`` (trajectories carry ``info['turns']``). Every trajectory (successful
+    ones only by default) becomes the rows ``tokens.build_rows`` makes of its turns: the assistant's
+    sampled tokens are masked in, everything else is context. Order: dirs as given, files by name,
+    lines in order (deterministic; :func:`train_sft` shuffles with its seed). Duplicates are kept
+    (a behaviour that succeeded often weighs more, as in the rollouts).
+    """
+    out: list[Example] = []
+    for d in adapter_dirs:
+        files = sorted((Path(d) / "rollouts").glob("iter_*.jsonl"))
+        if not files:
+            raise ValueError(f"{d}: no rollouts/iter_*.jsonl (SFT data needs a GRPO run with grpo.save_rollouts=full)")
+        for f in files:
+            for n, row in enumerate(iter_jsonl(f), start=1):
+                if successes_only and not row.get("success"):
+                    continue
+                turns = (row.get("info") or {}).get("turns")
+                if turns is None:
+                    raise ValueError(f"{f}:{n}: trajectory has no token turns (save_rollouts=messages; SFT needs full)")
+                out += [(rec.token_ids, rec.loss_mask) for rec in build_rows([Turn.from_dict(t) for t in turns])]
+    return out
+
+
+def _rows(examples: Sequence[Example]) -> list[PolicyRow]:
+    """Examples as collatable rows (advantage and rollout log-probs unused), checked."""
+    if not examples:
+        raise ValueError("SFT needs at least one example")
+    rows = []
+    for i, (ids, mask) in enumerate(examples):
+        ids, mask = [int(t) for t in ids], [int(m) for m in mask]
+        if len(ids) != len(mask):
+            raise ValueError(f"example {i}: {len(ids)} token ids but {len(mask)} loss-mask entries")
+        if mask and mask[0]:
+            raise ValueError(f"example {i}: its first token is masked in but has no context to be predicted from")
+        if not any(mask):
+            raise ValueError(f"example {i} has no assistant token to train on")
+        rows.append(PolicyRow(ids, mask, [0.0] * len(ids), 0.0, i, sum(mask)))
+    return rows
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The seeded permutation of ``n`` examples for ``epoch`` (a function of (seed, epoch) only: resumable)."""
+    order = list(range(n))
+    random.Random(int(stable_hash([seed, epoch, "sft-order"], 15), 16)).shuffle(order)
+    return order
+
+
+def lr_at(step: int, total: int, s: SFTSettings) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of ``total``: warmup, then linear decay or constant."""
+    warm = int(math.ceil(s.warmup_ratio * total))
+    if step < warm:  # transformers' warmup starts at 0; here the first step already moves
+        return s.lr * (step + 1) / warm
+    if s.schedule == "constant":
+        return s.lr
+    return s.lr * max(0.0, (total - step) / max(1, total - warm))  # transformers' linear: the last step is not 0
+
+
+def masked_nll(model: torch.nn.Module, batch: Any, device: torch.device, chunk: int = 1024) -> torch.Tensor:
+    """``-sum`` of the log-probs of the masked-in tokens of a collated batch (scalar, differentiable).
+
+    The token at t is scored from position t - 1 (``sequence_logprobs``): only targets with
+    ``loss_mask == 1`` enter, so a context token's identity never reaches the loss as a target.
+    """
+    return -sequence_logprobs(model, batch.input_ids.to(device), batch.attention_mask, batch.loss_mask, chunk=chunk).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe
+
+
+def train_sft(
+    model: torch.nn.Module,
+    tokenizer_pad_id: int,
+    examples: Sequence[Example],
+    settings: SFTSettings,
+    out_dir: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+) -> dict[str, Any]:
+    """Train a fresh LoRA adapter on ``examples`` (resuming ``out_dir``'s checkpoint if there is one).
+
+    ``model``: the plain backbone (frozen here). Writes ``out_dir/adapter`` (peft), ``metrics.csv``
+    (one row per optimizer step) and ``checkpoints/``. ``callbacks`` get each step's metrics; one
+    that raises stops training after that step's checkpoint logic ran. Returns a summary (adapter
+    dir, budget, first/last loss).
+    """
+    s = settings
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = _rows(examples)
+    model, dev = place_model(model, device, s.dtype)
+    model = build_peft_model(model, s.lora, s.seed)
+    set_fused_update_kernels(causal_lm(model), s.fused_update_kernels)
+    if s.gradient_checkpointing:
+        set_activation_checkpointing(causal_lm(model), True)
+    backend = adamw_backend(model, s.lr, s.betas, s.weight_decay, s.max_grad_norm)
+    steps_per_epoch = math.ceil(len(rows) / s.batch_size)
+    total = s.epochs * steps_per_epoch
+    metrics = MetricsCSV(out / "metrics.csv", SFT_METRIC_COLUMNS, index="step")
+    ckpts = out / "checkpoints"
+
+    last = load_checkpoint(ckpts, model, backend)
+    if last is None:
+        seed_everything(s.seed)  # LoRA dropout draws from torch's RNG
+        start = 0
+    else:
+        start = last + 1
+        metrics.keep_through(last)
+    model.eval()
+    for step in range(start, total):
+        t0 = time.time()
+        epoch, b = divmod(step, steps_per_epoch)
+        idx = epoch_order(len(rows), s.seed, epoch)[b * s.batch_size : (b + 1) * s.batch_size]
+        batch = [rows[i] for i in idx]
+        lr = lr_at(step, total, s)
+        for g in backend.opt.param_groups:
+            g["lr"] = lr
+        n_tokens = sum(sum(r.loss_mask) for r in batch)  # the batch's assistant tokens: the loss's denominator
+        nll_sum, forward_tokens = 0.0, 0
+        model.train()
+        for micro in pack_microbatches([len(r) for r in batch], s.microbatch_tokens):
+            mb = collate([batch[i] for i in micro], tokenizer_pad_id)
+            nll = masked_nll(model, mb, dev, s.logprob_chunk)
+            backend.backward(nll / n_tokens, boundary=True)
+            nll_sum += float(nll.detach())
+            forward_tokens += int(mb.attention_mask.sum())
+        grad_norm = backend.step()
+        model.eval()
+        row = {
+            "step": step, "epoch": epoch, "loss": nll_sum / n_tokens, "grad_norm": grad_norm, "lr": lr,
+            "examples": len(batch), "tokens_trained": n_tokens, "tokens_forward": forward_tokens,
+            "optimizer_steps": 1, "tokens_generated": 0, "episodes": 0, "time_step_s": time.time() - t0,
+        }  # fmt: skip
+        metrics.append(row)
+        if (step + 1) % s.checkpoint_every == 0 or step + 1 == total:
+            save_checkpoint(ckpts, step, model, backend, {"settings": asdict(s), "unit": "optimizer step"}, s.keep_checkpoints)
+        for cb in callbacks:
+            cb(row)
+    save_peft_adapter(model, out / "adapter")
+    losses = [float(r["loss"]) for r in metrics.rows]
+    return {
+        "adapter": str(out / "adapter"),
+        "examples": len(rows),
+        "optimizer_steps": total,
+        "episodes": 0,
+        "tokens_generated": 0,
+        "tokens_trained": sum(int(float(r["tokens_trained"])) for r in metrics.rows),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Recipe components (single process) shared with tracekit.rl.distill. GRPOTrainer holds the same
+# logic as methods (save_checkpoint / resume / save_adapter / _to_csv / the seeding in train): these
+# are the reusable form, to move into a shared components module.
+
+
+def check_settings(group: str, obj: Any, checks: Sequence[tuple[bool, str, str]]) -> None:
+    """Raise the first failed check as ``<group>.<key>=<value> is invalid: must be <what>`` (one line)."""
+    for ok, key, valid in checks:
+        if not ok:
+            raise ValueError(f"{group}.{key}={getattr(obj, key)!r} is invalid: must be {valid}")
+
+
+def place_model(model: torch.nn.Module, device: str | torch.device | None, dtype: str) -> tuple[torch.nn.Module, torch.device]:
+    """Move ``model`` to ``device`` (default: cuda if available) in ``dtype`` (auto: bf16 on GPU, fp32 on CPU)."""
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dt = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return model.to(device=dev, dtype=dt), dev
+
+
+def adamw_backend(
+    model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float, max_grad_norm: float
+) -> LocalBackend:
+    """The trainer's :class:`LocalBackend` (AdamW on the parameters that require grad, clipping in ``step``)."""
+    opt = SimpleNamespace(lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=max_grad_norm)
+    return LocalBackend(model, opt)  # type: ignore[arg-type]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def adapter_state(model: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """One adapter's tensors (peft names), on CPU."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model, adapter_name=adapter_name).items()}
+
+
+def save_peft_adapter(model: torch.nn.Module, path: str | Path, adapter_name: str = "default") -> None:
+    """peft ``save_pretrained`` of one adapter into ``path``, atomically. ``default`` is peft's flat
+    layout (``adapter_config.json`` at ``path``); other adapters of the model are not written."""
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), selected_adapters=[adapter_name])
+        if adapter_name != "default":  # peft nests non-default adapters in a sub-folder: flatten
+            for p in (tmp / adapter_name).iterdir():
+                os.replace(p, tmp / p.name)
+            (tmp / adapter_name).rmdir()
+
+    _atomic_dir(Path(path), write)
+
+
+def save_checkpoint(
+    root: Path,
+    index: int,
+    model: torch.nn.Module,
+    backend: LocalBackend,
+    state: dict[str, Any],
+    keep: int,
+    adapter_name: str = "default",
+) -> None:
+    """Adapter, optimizer, RNG states and ``index`` (the last completed iteration/step) under
+    ``root/iter_<index>``, then ``root/latest.json``; only the newest ``keep`` are kept. The layout is
+    GRPOTrainer's (``latest.json``: ``{"iteration", "dir"}``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"iter_{index:05d}", root / f".iter_{index:05d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_peft_adapter(model, tmp / "adapter", adapter_name)
+    atomic_write_json(tmp / "state.json", {"iteration": index, **state})
+    backend.save(tmp, 0)
+    torch.save(_rng_state(), tmp / "rng_rank0.pt")
+    shutil.rmtree(final, ignore_errors=True)  # an unreferenced leftover of a killed run
+    os.replace(tmp, final)
+    atomic_write_json(root / "latest.json", {"iteration": index, "dir": final.name})
+    for p in sorted(p for p in root.glob("iter_*") if p.is_dir())[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(root: Path, model: torch.nn.Module, backend: LocalBackend, adapter_name: str = "default") -> int | None:
+    """Restore ``root/latest.json``'s checkpoint (adapter, optimizer, RNG); -> its index, or None if there is none."""
+    latest = root / "latest.json"
+    if not latest.exists():
+        return None
+    meta = read_json(latest)
+    d = root / meta["dir"]
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(str(d / "adapter" / "adapter_model.safetensors")), adapter_name=adapter_name)
+    backend.load(d, 0)
+    _set_rng_state(torch.load(d / "rng_rank0.pt", weights_only=False))
+    log.info("resumed from %s", d)
+    return int(meta["iteration"])
+
+
+class MetricsCSV:
+    """``metrics.csv`` with fixed columns, rewritten atomically after each row; on resume the rows
+    past the checkpoint (written by the killed run after its last checkpoint) are dropped."""
+
+    def __init__(self, path: Path, columns: Sequence[str], index: str = "iteration"):
+        self.path, self.columns, self.index = Path(path), list(columns), index
+        self.rows: list[dict[str, Any]] = []
+
+    def keep_through(self, last: int) -> None:
+        if self.path.exists():
+            rows = list(csv.DictReader(io.StringIO(self.path.read_text())))
+            self.rows = [r for r in rows if int(r[self.index]) <= last]
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="ignore")
+        w.writeheader()
+        for r in self.rows:
+            w.writerow({k: r.get(k, "") for k in self.columns})
+        atomic_write_text(self.path, buf.getvalue())
