@@ -175,5 +175,5 @@ def test_a_failing_environment_ends_only_its_episode(tok):
     specs = [EpisodeSpec(suite.tasks()[i], 0, 0, i) for i in range(2)]
     ok, bad = run_episodes(_canonical_policy(tok), suite, specs, temperature=1.0)
     assert ok.termination == "all_turns_done" and ok.error is None and len(ok.info["turns"]) == 2
-    assert bad.termination == "env_error" and "db exploded" in bad.error and bad.reward == 0.0
+    assert bad.termination == "error" and "db exploded" in bad.error and bad.reward == 0.0
     assert len(bad.info["turns"]) == 1  # the turn it generated is kept

@@ -1,14 +1,16 @@
 """The rollout runner: tasks x samples episodes, batched across episodes, resumable.
 
-Up to ``batch_size`` episodes are live at once. Each round the agent answers every live episode in
-one ``act`` call (one batched model call), each episode is stepped (``suite.step_batch``, which
-also batches simulated-user replies), finished episodes are scored and appended to
+A driver of the episode core (:mod:`tracekit.episodes`, shared with RL training): up to
+``batch_size`` episodes are live at once. Each round the agent answers every live episode in one
+``act`` call (one batched model call), each episode is stepped (``suite.step_batch``, which also
+batches simulated-user replies), finished episodes are scored and appended to
 ``trajectories.jsonl`` (one fsynced line each), and the freed slots are refilled.
 
 Budgets: at most ``max_steps`` agent actions per episode (``max_steps`` termination); before each
 action the prompt is measured with ``agent.count_tokens`` and the episode ends with
 ``context_overflow`` when prompt + ``agent.max_new_tokens`` would exceed ``context_budget``
-(the paper's 32k context). Both endings score 0, as any premature tau^2 ending does.
+(the paper's 32k context), or when the model refuses the prompt (``finish_reason='error'``).
+Both endings score 0, as any premature tau^2 ending does.
 
 Seeds: greedy agents (temperature 0) use ``seed`` for every episode (the paper's T=0, seed 42);
 sampling agents derive one seed per episode from (seed, task, sample), see :func:`episode_seed`.
@@ -28,8 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,10 @@ from tqdm.auto import tqdm
 
 from tracekit.agents import Agent, AgentState
 from tracekit.artifacts import JsonlAppender, atomic_write_json, iter_jsonl, read_json
-from tracekit.envs.base import Episode, EnvSuite
+from tracekit.envs.base import EnvSuite
+from tracekit.episodes import EpisodeRun, drive_episodes
 from tracekit.llm.base import ChatResponse, EndpointError
-from tracekit.types import Message, Task, TokenRecord, Trajectory, stable_hash
+from tracekit.types import Task, TokenRecord, Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +98,6 @@ class RolloutSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class _Live:
-    task: Task
-    sample: int
-    seed: int
-    started: float
-    episode: Episode | None = None
-    messages: list[Message] = field(default_factory=list)
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    turn: int = 0
-    turns: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _settings(suite: EnvSuite, agent: Agent, seed: int, max_steps: int, context_budget: int) -> dict[str, Any]:
@@ -175,96 +164,31 @@ def run_rollouts(
     wanted = [(t, s) for t in tasks for s in range(samples)]
     done = load_done(path)
     resumed = sum((t.id, s) in done for t, s in wanted)
-    pending = deque((t, s) for t, s in wanted if (t.id, s) not in done)
+    pending = [(t, s) for t, s in wanted if (t.id, s) not in done]
     sampled = settings["temperature"] > 0
     if resumed:
         log.info("rollout %s: %d of %d episodes already in %s, running %d", suite.name, resumed, len(wanted), path, len(pending))
 
     ran = 0
-    with JsonlAppender(path) as sink, tqdm(total=len(pending), desc=f"rollout {suite.name}", disable=not progress) as bar:
+    runs = (EpisodeRun(task, s, episode_seed(seed, task.id, s, sampled)) for task, s in pending)
 
-        def finish(r: _Live, termination: str, error: BaseException | None = None) -> None:
-            nonlocal ran
-            traj = _trajectory(suite, r, termination, error)
+    def act(live: list[EpisodeRun]) -> list[ChatResponse | Exception]:
+        return _act(agent, [AgentState(r.task, list(r.messages), r.tools, r.seed, r.steps) for r in live])
+
+    def fits(r: EpisodeRun) -> bool:
+        n = agent.count_tokens(r.messages, r.tools)
+        return n is None or n + agent.max_new_tokens <= context_budget
+
+    with JsonlAppender(path) as sink, tqdm(total=len(pending), desc=f"rollout {suite.name}", disable=not progress) as bar:
+        for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=batch_size, fits=fits):
+            traj = r.trajectory(suite.name)
+            traj.tokens = single_token_record(r.turns)  # evaluation files carry the one exact sequence, where it exists
             sink.append(traj)
             done[(traj.task_id, traj.sample)] = traj
             ran += 1
             bar.update(1)
 
-        live: list[_Live] = []
-        while pending or live:
-            fresh: list[_Live] = []
-            while pending and len(live) + len(fresh) < batch_size:
-                task, s = pending.popleft()
-                r = _Live(task, s, episode_seed(seed, task.id, s, sampled), time.time())
-                try:
-                    r.episode = suite.episode(task, r.seed)
-                except Exception as e:  # noqa: BLE001
-                    finish(r, "error", e)
-                    continue
-                fresh.append(r)
-            for r, obs in zip(fresh, suite.reset_batch([r.episode for r in fresh])):
-                if isinstance(obs, Exception):
-                    _raise_if_fatal(obs)
-                    finish(r, "error", obs)
-                    continue
-                r.messages, r.tools = list(obs.messages), list(obs.tools)
-                if obs.done:
-                    finish(r, obs.termination)
-                else:
-                    live.append(r)
-
-            acting: list[_Live] = []
-            for r in live:
-                reason = _budget_exceeded(agent, r, max_steps, context_budget)
-                if reason:
-                    finish(r, reason)
-                else:
-                    acting.append(r)
-            if not acting:
-                live = []
-                continue
-
-            states = [AgentState(r.task, list(r.messages), r.tools, r.seed, r.turn) for r in acting]
-            stepping: list[tuple[_Live, Message]] = []
-            for r, resp in zip(acting, _act(agent, states)):
-                if isinstance(resp, Exception):
-                    finish(r, "error", resp)
-                    continue
-                r.messages.append(resp.message)
-                r.turn += 1
-                if resp.prompt_token_ids is not None and resp.completion_token_ids is not None:
-                    r.turns.append({
-                        "prompt_ids": list(resp.prompt_token_ids),
-                        "completion_ids": list(resp.completion_token_ids),
-                        "completion_logprobs": list(resp.completion_logprobs or []),
-                        "finish_reason": resp.finish_reason,
-                    })
-                stepping.append((r, resp.message))
-
-            results = suite.step_batch([r.episode for r, _ in stepping], [m for _, m in stepping])
-            live = []
-            for (r, _), res in zip(stepping, results):
-                if isinstance(res, Exception):
-                    _raise_if_fatal(res)
-                    finish(r, "error", res)
-                    continue
-                r.messages.extend(res.messages)
-                if res.done:
-                    finish(r, res.termination)
-                else:
-                    live.append(r)
-
     return _summary(path, wanted, done, resumed, ran, time.time() - t_start)
-
-
-def _budget_exceeded(agent: Agent, r: _Live, max_steps: int, context_budget: int) -> str | None:
-    if r.turn >= max_steps:
-        return "max_steps"
-    n = agent.count_tokens(r.messages, r.tools)
-    if n is not None and n + agent.max_new_tokens > context_budget:
-        return "context_overflow"
-    return None
 
 
 def _act(agent: Agent, states: list[AgentState]) -> list[ChatResponse | Exception]:
@@ -287,46 +211,6 @@ def _act(agent: Agent, states: list[AgentState]) -> list[ChatResponse | Exceptio
         except Exception as e:  # noqa: BLE001
             out.append(e)
     return out
-
-
-def _raise_if_fatal(e: Exception) -> None:
-    if isinstance(e, EndpointError):
-        raise e
-
-
-def _trajectory(suite: EnvSuite, r: _Live, termination: str, error: BaseException | None) -> Trajectory:
-    info: dict[str, Any] = {"steps": r.turn}
-    reward, success = 0.0, False
-    if error is None and r.episode is not None:
-        try:
-            outcome = r.episode.outcome()
-            reward, success = outcome.reward, outcome.success
-            info.update(outcome.info)
-        except Exception as e:  # noqa: BLE001 - evaluation failures are recorded like any other
-            error = e
-    if error is not None:
-        termination = "error"
-        reward, success = 0.0, False
-        info["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
-        log.warning("episode %s/%s failed: %s: %s", r.task.id, r.sample, type(error).__name__, error)
-    tokens = None
-    if r.turns:
-        info["turns"] = r.turns
-        tokens = single_token_record(r.turns)
-    info["seconds"] = round(time.time() - r.started, 3)
-    return Trajectory(
-        task_id=r.task.id,
-        env=r.task.env or suite.name,
-        seed=r.seed,
-        sample=r.sample,
-        messages=r.messages,
-        reward=reward,
-        success=success,
-        termination=termination,
-        error=None if error is None else f"{type(error).__name__}: {error}",
-        info=info,
-        tokens=tokens,
-    )
 
 
 def _summary(path: Path, wanted, done, resumed: int, ran: int, seconds: float) -> RolloutSummary:

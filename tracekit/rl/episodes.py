@@ -1,22 +1,20 @@
-"""A minimal lockstep multi-turn episode runner that records the policy's exact tokens per turn.
+"""The training episode runner: lockstep over a chat client, recording the policy's exact tokens.
 
-All episodes of a rollout batch advance together: each step sends one batched ``chat`` call with
-the requests of every episode still running, so the model's batch stays full. Each turn's prompt
-ids, completion ids and log-probs go to ``Trajectory.info['turns']`` (the shape
-``tracekit.rollout`` uses when asked for tokens), from which ``tracekit.rl.tokens`` builds the
-training rows.
+A driver of the episode core (:mod:`tracekit.episodes`, shared with evaluation): every episode of a
+rollout batch is live from the start and each round sends one batched ``chat`` call with the
+requests of every episode still running, so the model's batch stays full. Each turn's prompt ids,
+completion ids and log-probs go to ``Trajectory.info['turns']``, from which ``tracekit.rl.tokens``
+builds the training rows.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from tracekit.envs.base import EnvSuite
-from tracekit.llm.base import ChatClient, ChatRequest
+from tracekit.episodes import EpisodeRun, drive_episodes
+from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.types import Message, Task, Trajectory, stable_hash
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +25,12 @@ class EpisodeSpec:
     seed: int
     sample: int
     group: int  # GRPO group id within the iteration
+
+
+def request_seed(sample_seed: int, spec: EpisodeSpec, step: int) -> int:
+    """The sampling seed of an episode's ``step``-th request: a function of (sample_seed, group,
+    sample, step) only, so a rerun samples the same whatever else shares the batch."""
+    return int(stable_hash([sample_seed, spec.group, spec.sample, step], 15), 16)
 
 
 def run_episodes(
@@ -40,101 +44,40 @@ def run_episodes(
     max_steps: int = 50,
     sample_seed: int = 0,
 ) -> list[Trajectory]:
-    """Run every spec to its end (env done, ``max_steps`` assistant turns, or context exhausted).
+    """Run every spec to its end; one trajectory per spec, in spec order, with ``info['group']``.
 
-    ``sample_seed`` and the spec identify each request's sampling seed, so a rerun with the same
-    arguments reproduces the same rollouts on CPU. Environments are reset and stepped through
-    ``suite.reset_batch`` / ``step_batch`` (which batch simulated-user calls); an exception raised
-    by an environment ends only that episode (``termination='env_error'``, reward 0, ``error`` set).
+    Terminations as in :mod:`tracekit.episodes`; an environment that raises ends only its episode
+    (``error``, reward 0).
     """
-    n = len(specs)
-    eps = [suite.episode(sp.task, seed=sp.seed) for sp in specs]
-    msgs: list[list[Message]] = [[] for _ in range(n)]
-    tools: list[list[dict]] = [[] for _ in range(n)]
-    turns: list[list[dict]] = [[] for _ in range(n)]
-    term = [""] * n
-    errors: list[str | None] = [None] * n
+    runs = [EpisodeRun(sp.task, sp.sample, sp.seed) for sp in specs]
+    spec_of = dict(zip(runs, specs))
 
-    def fail(i: int, where: str, e: Exception) -> None:
-        log.warning("episode %s/%s raised in %s: %s", specs[i].task.id, specs[i].sample, where, e)
-        term[i], errors[i] = "env_error", f"{type(e).__name__}: {e}"
-
-    active = []
-    for i, obs in enumerate(suite.reset_batch(eps)):  # batched: a simulated user may open the dialogue
-        if isinstance(obs, Exception):
-            fail(i, "reset", obs)
-        else:
-            msgs[i], tools[i] = list(obs.messages), obs.tools
-            active.append(i)
-    step = 0
-    while active:
+    def act(live: list[EpisodeRun]) -> list[ChatResponse | Exception]:
         reqs = [
             ChatRequest(
-                messages=msgs[i],
-                tools=tools[i] or None,
+                messages=list(r.messages),
+                tools=r.tools or None,
                 temperature=temperature,
                 top_p=top_p,
                 max_new_tokens=max_new_tokens,
-                seed=int(stable_hash([sample_seed, specs[i].group, specs[i].sample, step], 15), 16),
+                seed=request_seed(sample_seed, spec_of[r], r.steps),
                 return_tokens=True,
             )
-            for i in active
+            for r in live
         ]
-        stepping = []
-        for i, resp in zip(active, client.chat(reqs)):
-            if resp.finish_reason == "error":
-                term[i] = "context_limit"
-                continue
-            if resp.prompt_token_ids is None or resp.completion_token_ids is None or resp.completion_logprobs is None:
+        resps = client.chat(reqs)
+        for resp in resps:  # training needs every generated token: a client that drops them is a bug
+            tokens = (resp.prompt_token_ids, resp.completion_token_ids, resp.completion_logprobs)
+            if resp.finish_reason != "error" and None in tokens:
                 raise RuntimeError(f"{type(client).__name__} returned no token ids/log-probs although return_tokens was set")
-            turns[i].append(
-                {
-                    "prompt_ids": resp.prompt_token_ids,
-                    "completion_ids": resp.completion_token_ids,
-                    "completion_logprobs": resp.completion_logprobs,
-                    "finish_reason": resp.finish_reason,
-                }
-            )
-            msgs[i].append(resp.message)
-            stepping.append(i)
-        results = suite.step_batch([eps[i] for i in stepping], [msgs[i][-1] for i in stepping]) if stepping else []
-        active = []
-        for i, res in zip(stepping, results):
-            if isinstance(res, Exception):  # a buggy environment must not take the whole batch down
-                fail(i, "step", res)
-                continue
-            msgs[i].extend(res.messages)
-            if res.done:
-                term[i] = res.termination or "done"
-            elif len(turns[i]) >= max_steps:
-                term[i] = "max_steps"
-            else:
-                active.append(i)
-        step += 1
-    out = []
-    for i, sp in enumerate(specs):
-        reward, success, oinfo = 0.0, False, {}
-        if errors[i] is None:
-            try:
-                o = eps[i].outcome()
-                reward, success, oinfo = float(o.reward), bool(o.success), dict(o.info)
-            except Exception as e:  # a failing verifier scores 0 and is recorded, like a failing step
-                fail(i, "outcome", e)
-        out.append(
-            Trajectory(
-                task_id=sp.task.id,
-                env=suite.name,
-                seed=sp.seed,
-                sample=sp.sample,
-                messages=msgs[i],
-                reward=reward,
-                success=success,
-                termination=term[i],
-                error=errors[i],
-                info={"turns": turns[i], "group": sp.group, "outcome": oinfo},
-            )
-        )
-    return out
+        return list(resps)
+
+    out: dict[EpisodeRun, Trajectory] = {}
+    for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=max(len(runs), 1)):
+        t = r.trajectory(suite.name)
+        t.info.update(group=spec_of[r].group, outcome=r.outcome_info)
+        out[r] = t
+    return [out[r] for r in runs]
 
 
 def tool_calls(messages: list[Message]) -> int:

@@ -1,0 +1,192 @@
+"""The episode core both runners drive: one episode's state machine and the batched loop over many.
+
+An :class:`EpisodeRun` goes open -> reset -> (act -> step)* -> end. :func:`drive_episodes` keeps up
+to ``batch_size`` runs live, answers all of them in one ``act`` call per round (one batched model
+call) and steps them through ``suite.step_batch``, yielding each run once it has ended and been
+scored. The evaluation runner (:func:`tracekit.rollout.run_rollouts`) drives it over an
+:class:`~tracekit.agents.Agent` into a resumable file; the training runner
+(:func:`tracekit.rl.episodes.run_episodes`) over a chat client with per-request sampling seeds.
+
+Terminations: the environment's own (``done`` when it names none), including an episode already
+done at reset (zero agent turns); ``max_steps``; ``context_overflow`` (the driver's budget check
+said the next prompt does not fit, or the backend refused the request: ``finish_reason='error'``);
+``error`` (an exception in the environment, the agent or the verifier: reward 0, recorded with its
+traceback). An :class:`~tracekit.llm.base.EndpointError` (the model server is gone) is never
+recorded on an episode: it aborts the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracekit.envs.base import Episode, EnvSuite, Observation, StepResult
+from tracekit.llm.base import ChatResponse, EndpointError
+from tracekit.types import Message, Task, Trajectory
+
+log = logging.getLogger(__name__)
+
+DONE = "done"
+MAX_STEPS = "max_steps"
+CONTEXT_OVERFLOW = "context_overflow"
+ERROR = "error"
+
+
+@dataclass(eq=False)  # identity semantics: drivers key their own per-episode data by the run
+class EpisodeRun:
+    """One episode from creation to its scored end."""
+
+    task: Task
+    sample: int
+    seed: int  # the environment's seed
+    episode: Episode | None = None
+    messages: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    steps: int = 0  # agent actions taken
+    turns: list[dict[str, Any]] = field(default_factory=list)  # per action: its token ids, when the response had them
+    termination: str = ""
+    error: BaseException | None = None
+    reward: float = 0.0
+    success: bool = False
+    outcome_info: dict[str, Any] = field(default_factory=dict)
+    started: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.termination)
+
+    def open(self, suite: EnvSuite) -> None:
+        self.started = time.time()
+        try:
+            self.episode = suite.episode(self.task, self.seed)
+        except Exception as e:  # noqa: BLE001 - a task the suite cannot build ends only this run
+            self._fail(e)
+
+    def reset(self, obs: Observation | Exception) -> None:
+        if isinstance(obs, Exception):
+            return self._fail(obs)
+        self.messages, self.tools = list(obs.messages), list(obs.tools)
+        if obs.done:  # e.g. the simulated user stopped at once: scored without an agent turn
+            self.end(obs.termination or DONE)
+
+    def act(self, resp: ChatResponse | Exception) -> None:
+        if isinstance(resp, Exception):
+            return self._fail(resp)
+        if resp.finish_reason == "error":  # the backend refused the prompt (over its context): nothing to step
+            return self.end(CONTEXT_OVERFLOW)
+        self.messages.append(resp.message)
+        self.steps += 1
+        if resp.prompt_token_ids is not None and resp.completion_token_ids is not None:
+            self.turns.append({
+                "prompt_ids": list(resp.prompt_token_ids),
+                "completion_ids": list(resp.completion_token_ids),
+                "completion_logprobs": list(resp.completion_logprobs or []),
+                "finish_reason": resp.finish_reason,
+            })
+
+    def step(self, res: StepResult | Exception) -> None:
+        if isinstance(res, Exception):
+            return self._fail(res)
+        self.messages.extend(res.messages)
+        if res.done:
+            self.end(res.termination or DONE)
+
+    def end(self, termination: str, error: BaseException | None = None) -> None:
+        """End and score the episode; an error, the verifier's included, scores 0 and is recorded."""
+        if error is None and self.episode is not None:
+            try:
+                o = self.episode.outcome()
+                self.reward, self.success, self.outcome_info = float(o.reward), bool(o.success), dict(o.info)
+            except EndpointError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None:
+            termination, self.reward, self.success = ERROR, 0.0, False
+            log.warning("episode %s/%s failed: %s: %s", self.task.id, self.sample, type(error).__name__, error)
+        self.termination, self.error = termination, error
+        self.seconds = round(time.time() - self.started, 3)
+
+    def _fail(self, e: Exception) -> None:
+        if isinstance(e, EndpointError):
+            raise e
+        self.end(ERROR, e)
+
+    def trajectory(self, suite_name: str) -> Trajectory:
+        """The ended run as a :class:`Trajectory`: the verifier's info, then steps, seconds, turns
+        (and the traceback of an error)."""
+        info = {**self.outcome_info, "steps": self.steps, "seconds": self.seconds, "turns": self.turns}
+        e = self.error
+        if e is not None:
+            info["traceback"] = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]
+        return Trajectory(
+            task_id=self.task.id,
+            env=self.task.env or suite_name,
+            seed=self.seed,
+            sample=self.sample,
+            messages=self.messages,
+            reward=self.reward,
+            success=self.success,
+            termination=self.termination,
+            error=None if e is None else f"{type(e).__name__}: {e}",
+            info=info,
+        )
+
+
+Act = Callable[[list[EpisodeRun]], list[ChatResponse | Exception]]
+
+
+def drive_episodes(
+    suite: EnvSuite,
+    runs: Iterable[EpisodeRun],
+    act: Act,
+    *,
+    max_steps: int,
+    batch_size: int,
+    fits: Callable[[EpisodeRun], bool] | None = None,
+) -> Iterator[EpisodeRun]:
+    """Play ``runs`` (opened in order, lazily) with continuous batching; yield each as it ends.
+
+    ``act(live)`` answers every live run (an Exception for a run ends only that run). Before each
+    action a run ends with ``max_steps`` after ``max_steps`` actions, and with ``context_overflow``
+    where ``fits(run)`` says its next prompt does not fit. A slot freed by an ended run is refilled
+    at the next round, so ``batch_size >= len(runs)`` is lockstep: every run live from the start.
+    """
+    queue = iter(runs)
+    live: list[EpisodeRun] = []
+    while True:
+        fresh: list[EpisodeRun] = []
+        while len(live) + len(fresh) < batch_size and (r := next(queue, None)) is not None:
+            r.open(suite)
+            if r.ended:
+                yield r
+            else:
+                fresh.append(r)
+        if not fresh and not live:
+            return
+        for r, obs in zip(fresh, suite.reset_batch([r.episode for r in fresh]), strict=True):
+            r.reset(obs)
+        for r in live + fresh:
+            if r.ended:
+                continue
+            if r.steps >= max_steps:
+                r.end(MAX_STEPS)
+            elif fits is not None and not fits(r):
+                r.end(CONTEXT_OVERFLOW)
+        yield from (r for r in live + fresh if r.ended)
+        live = [r for r in live + fresh if not r.ended]
+        if not live:
+            continue
+        for r, resp in zip(live, act(live), strict=True):
+            r.act(resp)
+        stepping = [r for r in live if not r.ended]
+        results = suite.step_batch([r.episode for r in stepping], [r.messages[-1] for r in stepping])
+        for r, res in zip(stepping, results, strict=True):
+            r.step(res)
+        yield from (r for r in live if r.ended)
+        live = [r for r in live if not r.ended]
