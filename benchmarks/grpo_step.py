@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tracekit.artifacts import atomic_write_json  # noqa: E402
 from tracekit.rl import grpo  # noqa: E402
 from tracekit.rl.engines import sample_completions  # noqa: E402
-from tracekit.rl.fast_decode import FastDecoder  # noqa: E402
+from tracekit.llm.decoding import FastDecoder  # noqa: E402
 from tracekit.rl.fused import set_fused_update_kernels  # noqa: E402
 from tracekit.rl.tokens import Turn, collate, pack_microbatches, rows_for_trajectory  # noqa: E402
 from tracekit.rl.toy import KeywordSuite, tiny_tokenizer  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 from tracekit.agents import Agent, GoldAgent
 from tracekit.analysis.reference import ReferenceLabeler, reference_dictionary
 from tracekit.config import ConfigError, validate
-from tracekit.envs.library_target import TARGET_SEED_OFFSET, LibraryTargetSuite
+from tracekit.synthesis.library_target import TARGET_SEED_OFFSET, LibraryTargetSuite
 from tracekit.llm.base import ChatResponse
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.stages import TRAIN_SEED_OFFSET, build_suite, synthesis_target

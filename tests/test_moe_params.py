@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracekit.moe.params import (
+from tracekit.report.table5 import (
     ATTENTION,
     MLP,
     OFFICIAL_TARGETS,

@@ -80,3 +80,24 @@ def test_threshold_sweep_multirun_from_a_plain_working_directory(tmp_path):
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*_sweep_thresholds")
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
     assert not (tmp_path / "cache" / "train").exists()  # the sweep preset stops at `select`
+
+
+def test_consolidation_sweep_gives_one_table_with_a_row_per_strategy(tmp_path):
+    from tracekit.methods.consolidate import STRATEGIES
+
+    env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "tracekit", "-m", "sweep=consolidation", "experiment=smoke"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*_sweep_consolidation")
+    rows = json.loads((sweep_dir / "results.json").read_text())
+    labels = {r["method"]: [] for r in rows.values()}
+    for label, r in rows.items():
+        labels[r["method"]].append(label)
+    assert labels["base"] == ["Base"] and len(labels["single_capability"]) == 1
+    assert sorted(labels["trace"]) == sorted(s.label for s in STRATEGIES.values())  # one row per strategy
+    assert all(set(r["budget"]) == {"episodes", "generated_tokens", "optimizer_steps"} for r in rows.values())
+    assert "| On Policy Distillation |" in out.stdout and (sweep_dir / "results.md").is_file()
+    # the upstream was computed once: one rollout/train artifact for nine jobs
+    assert len(list((tmp_path / "cache" / "train").glob("*/COMPLETE.json"))) == 1
+    assert len(list((tmp_path / "cache" / "compose").glob("*/COMPLETE.json"))) == len(STRATEGIES)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tracekit import ops
 from tracekit.rl import grpo
 
 
@@ -203,7 +204,7 @@ def test_chunked_token_logprobs_match_full_logsoftmax(chunk, temperature):
     h = torch.randn(11, 16, generator=g, dtype=torch.float64).requires_grad_(True)
     w = torch.randn(50, 16, generator=g, dtype=torch.float64).requires_grad_(True)
     tgt = torch.randint(0, 50, (11,), generator=g)
-    got = grpo.token_logprobs(h, w, tgt, temperature=temperature, chunk=chunk)
+    got = ops.token_logprobs(h, w, tgt, temperature=temperature, chunk=chunk)
     upstream = torch.randn(11, generator=g)
     (got * upstream).sum().backward()
     gh, gw = h.grad.clone(), w.grad.clone()
@@ -218,8 +219,8 @@ def test_chunked_token_logprobs_match_full_logsoftmax(chunk, temperature):
 def test_chunked_token_logprobs_frozen_weight_and_empty():
     h = torch.randn(5, 8, requires_grad=True)
     w = torch.randn(20, 8)  # frozen lm_head: no weight grad computed
-    lp = grpo.token_logprobs(h, w, torch.tensor([1, 2, 3, 4, 5]), chunk=2)
+    lp = ops.token_logprobs(h, w, torch.tensor([1, 2, 3, 4, 5]), chunk=2)
     lp.sum().backward()
     assert h.grad is not None and w.grad is None
-    empty = grpo.token_logprobs(h[:0], w, torch.tensor([], dtype=torch.long))
+    empty = ops.token_logprobs(h[:0], w, torch.tensor([], dtype=torch.long))
     assert empty.shape == (0,)

@@ -121,7 +121,7 @@ def test_difficulty_walk_keeps_the_closest_level_when_none_fits():
 
 def test_make_rollout_fn_runs_the_rollout_runner(tmp_path):
     from tracekit.agents import Agent
-    from tracekit.envs.synthetic import SyntheticSuite
+    from tracekit.synthesis.suite import SyntheticSuite
     from tracekit.llm.base import ChatResponse
     from tracekit.synthesis.calibrate import make_rollout_fn
     from tracekit.synthesis.library import library_env

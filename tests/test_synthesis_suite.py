@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tracekit.envs.synthetic import CLOSING_REPLY, CONFIRM_REPLY, ScriptedUser, SyntheticSuite
+from tracekit.synthesis.suite import CLOSING_REPLY, CONFIRM_REPLY, ScriptedUser, SyntheticSuite
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.synthesis.library import library_env
 from tracekit.synthesis.protocol import ground_truth_actions

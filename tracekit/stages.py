@@ -122,7 +122,7 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
                          task_ids=list(b.task_ids) if b.task_ids else None, limit=b.limit,
                          user=build_user(cfg), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
     if b.kind == "synthetic":
-        from tracekit.envs.library_target import LibraryTargetSuite
+        from tracekit.synthesis.library_target import LibraryTargetSuite
 
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})

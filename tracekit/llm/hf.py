@@ -1,6 +1,6 @@
 """``HFChatClient``: a transformers causal LM (optionally a peft model) behind the chat interface.
 
-Generation is our own batched loop over the decoding sessions of ``tracekit.rl.fast_decode`` (the
+Generation is our own batched loop over the decoding sessions of ``tracekit.llm.decoding`` (the
 same core as the GRPO rollout engine: merged-weight fast path or the plain forward; left padding,
 chunked prefill) because ``generate`` cannot give each row its own random generator. Each
 request samples with its own numpy ``PCG64`` generator seeded by ``request.seed`` and draws exactly
@@ -116,7 +116,7 @@ class HFChatClient(ChatClient):
     oversubscribed CPUs). ``max_whitespace``: whitespace run allowed inside constrained JSON.
     A request's ``response_format`` (``json_object`` / ``json_schema``) constrains its whole output
     to JSON with the same grammar machinery (needs xgrammar); tools are then not parsed.
-    ``fast``: ``auto`` decodes through ``tracekit.rl.fast_decode.FastDecoder`` (adapter merged into a
+    ``fast``: ``auto`` decodes through ``tracekit.llm.decoding.FastDecoder`` (adapter merged into a
     working copy, re-merged when the weights' version counters move; static KV cache; CUDA graphs)
     when the architecture is supported, ``on`` requires it, ``off`` uses the model's own forward
     (with finished rows pruned from the cache).
@@ -167,7 +167,7 @@ class HFChatClient(ChatClient):
         self._counter = itertools.count()
         self._vocab = int(text_config.vocab_size)
         self.fast = fast
-        self._decoder: Any = None  # tracekit.rl.fast_decode.FastDecoder, built at the first chat
+        self._decoder: Any = None  # tracekit.llm.decoding.FastDecoder, built at the first chat
         self.max_whitespace = max_whitespace
         self._grammar: ToolCallGrammar | None = None
 
@@ -222,7 +222,7 @@ class HFChatClient(ChatClient):
             self._decoder.refresh()
 
     def _session(self, prompts: list[list[int]], max_new: int) -> Any:
-        from tracekit.rl.fast_decode import FastDecoder, open_session, unsupported_reason
+        from tracekit.llm.decoding import FastDecoder, open_session, unsupported_reason
 
         if self._decoder is None and self.fast != "off":
             reason = unsupported_reason(self.model)

@@ -3,7 +3,7 @@
     L = L_CE + lambda_LB * L_LB,   L_LB = S * sum_c f_c P_c   (lambda_LB = 0.05 by default)
 
 L_CE: mean token cross-entropy on the agent's response tokens (``loss_mask == 1``), computed with
-chunked log-softmax over the vocabulary (``tracekit.rl.grpo.token_logprobs``: never the full
+chunked log-softmax over the vocabulary (``tracekit.ops.token_logprobs``: never the full
 [tokens x vocab] logits at once). L_LB per adapted block over the batch's real (non-padding) tokens:
 f_c = fraction of tokens whose largest gate probability is slot c, P_c = mean gate probability of c,
 S = number of gate slots (base slot included when present); L_LB is the mean over blocks. f is a
@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from tracekit.artifacts import atomic_write_text
 from tracekit.moe.layer import RoutingSpec
 from tracekit.moe.model import LoRAMoEModel
-from tracekit.rl.grpo import token_logprobs
+from tracekit.ops import token_logprobs
 from tracekit.types import TokenRecord
 
 log = logging.getLogger(__name__)

@@ -317,7 +317,7 @@ class LoRAMoEModel(nn.Module):
             raise RuntimeError(f"only the gates may train; requires_grad is wrong for: {wrong[:10]}")
 
     def parameter_counts(self) -> dict[str, Any]:
-        from tracekit.moe.params import composed_parameter_counts
+        from tracekit.moe.counts import composed_parameter_counts
 
         return composed_parameter_counts(self)
 
@@ -453,7 +453,7 @@ def build_lora_moe(
     model = LoRAMoEModel(backbone, loaded, config, backbone_spec)
     for a in loaded:
         a.factors.clear()  # the bank holds them now
-    from tracekit.moe.params import format_counts
+    from tracekit.moe.counts import format_counts
 
     log.info(
         "LoRA-MoE: %d adapters %s over %d blocks, %d adapted projections, %d gate slots\n%s",

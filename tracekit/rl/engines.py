@@ -8,7 +8,7 @@ engine generates, and the trainer sees exactly the ids the engine consumed and p
 - ``hf``: :class:`HFEngine` samples from the live (peft) model in-process: KV-cached batched decode
   with per-row stopping, log-probs of the sampled tokens taken from the same logits that were
   sampled (no second forward pass), seeded ``torch.Generator`` (same seed on CPU -> same tokens).
-  By default through :class:`tracekit.rl.fast_decode.FastDecoder` (adapter merged into a working
+  By default through :class:`tracekit.llm.decoding.FastDecoder` (adapter merged into a working
   copy, re-merged at each ``sync``; static KV cache; CUDA-graph decode steps on GPU).
 - :class:`ClientEngine` wraps any token-returning chat client on the live model (e.g. the llm
   package's ``HFChatClient`` with constrained tool calls, to train with the agent's own decoding).
@@ -37,7 +37,7 @@ import torch
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
 from tracekit.llm.hf import stop_token_ids
 from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
-from tracekit.rl.fast_decode import Completion, FastDecoder, generate, unsupported_reason
+from tracekit.llm.decoding import Completion, FastDecoder, generate, unsupported_reason
 from tracekit.types import Message, stable_hash
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 # The engines' sampler is the one decoding core's (batched, per-row stopping, log-probs from the sampling
-# logits; a peft model takes the plain path, a FastDecoder the merged one): see fast_decode.generate.
+# logits; a peft model takes the plain path, a FastDecoder the merged one): see decoding.generate.
 sample_completions = generate
 
 

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json, write_jsonl
 from tracekit.envs.base import EnvSuite
+from tracekit.ops import token_logprobs
 from tracekit.rl import grpo
 from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.episodes import EpisodeSpec, run_episodes, tool_calls
@@ -274,7 +275,7 @@ def sequence_logprobs(
 
     input_ids/attention_mask/loss_mask: [n, T] -> [M] with M = loss_mask.sum(). The token at t is
     scored from the hidden state at t - 1; only those M positions go through the lm_head, in
-    ``chunk``-row pieces (``grpo.token_logprobs``), never the full [n*T, V] logits. A right-padded
+    ``chunk``-row pieces (``tracekit.ops.token_logprobs``), never the full [n*T, V] logits. A right-padded
     mask is not passed to the model: causal attention never lets a real token see a trailing pad,
     and without a mask SDPA can run its causal flash kernel (a non-right-padded mask is passed on).
     The masks may stay on the host (the trainer's are): then selecting the M positions needs no
@@ -292,7 +293,7 @@ def sequence_logprobs(
     h = hidden.reshape(n * T, -1).index_select(0, at)
     targets = input_ids.reshape(-1).index_select(0, at + 1)
     with lm_head_weight(lm) as w:
-        return grpo.token_logprobs(h, w, targets, temperature=temperature, chunk=chunk)
+        return token_logprobs(h, w, targets, temperature=temperature, chunk=chunk)
 
 
 class LocalBackend:

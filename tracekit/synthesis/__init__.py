@@ -9,5 +9,5 @@
 - :mod:`.agent`      the LLM generation agent (prompts in ``prompts/``, versioned)
 - :mod:`.stage`      the synthesize stage: one environment package per selected capability
 
-:mod:`tracekit.envs.synthetic` turns any of these environments into an :class:`~tracekit.envs.base.EnvSuite`.
+:mod:`tracekit.synthesis.suite` turns any of these environments into an :class:`~tracekit.envs.base.EnvSuite`.
 """

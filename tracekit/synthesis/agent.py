@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, write_jsonl
 from tracekit.envs.base import EnvSuite
-from tracekit.envs.synthetic import SyntheticSuite
+from tracekit.synthesis.suite import SyntheticSuite
 from tracekit.llm.base import ChatClient, ChatRequest, EndpointError
 from tracekit.synthesis.calibrate import (
     CalibrationReport,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tracekit.artifacts import atomic_write_json, read_json
-from tracekit.envs.synthetic import SyntheticSuite, UserKind
+from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.llm.base import ChatClient
 from tracekit.synthesis.agent import AgentConfig, GenerationSpec, generate_environment
 from tracekit.synthesis.calibrate import CalibrationTargets, RolloutFn, calibrate_difficulty, write_calibration

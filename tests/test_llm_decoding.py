@@ -9,7 +9,7 @@ import torch
 from tracekit.llm.base import ChatRequest
 from tracekit.llm.hf import HFChatClient
 from tracekit.rl.engines import HFEngine, sample_completions
-from tracekit.rl.fast_decode import FastDecoder, PlainSession, filter_top_p, open_session, sample_step, unsupported_reason
+from tracekit.llm.decoding import FastDecoder, PlainSession, filter_top_p, open_session, sample_step, unsupported_reason
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.rl.trainer import build_peft_model

@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from tracekit.envs.base import EnvSuite, Episode, Observation, StepResult
-from tracekit.envs.synthetic import SyntheticSuite, UserKind
+from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.types import Message, Task
 
 TARGET_SEED_OFFSET = 10_000_000
