@@ -116,7 +116,7 @@ def main() -> None:
     result = {}
     if "update" in args.what:
         name, path, lowp, ckpt, comp = next(v for v in grpo_step.UPDATE_VARIANTS if v[0] == args.update_variant)
-        lm = grpo_step.causal_lm(tr.model)
+        lm = grpo_step.causal_lm_of(tr.model)
         grpo_step.set_fused_update_kernels(lm, lowp)
         gen = args.update_len // 2
         batch = grpo_step.synthetic_batch(args.update_batch, args.update_len, gen, cfg.vocab_size, seed=3)

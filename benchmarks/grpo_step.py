@@ -54,9 +54,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tracekit.artifacts import atomic_write_json  # noqa: E402
+from tracekit.llm.decoding import FastDecoder, causal_lm_of  # noqa: E402
 from tracekit.rl import grpo  # noqa: E402
 from tracekit.rl.engines import sample_completions  # noqa: E402
-from tracekit.llm.decoding import FastDecoder  # noqa: E402
 from tracekit.rl.fused import set_fused_update_kernels  # noqa: E402
 from tracekit.rl.tokens import Turn, collate, pack_microbatches, rows_for_trajectory  # noqa: E402
 from tracekit.rl.toy import KeywordSuite, tiny_tokenizer  # noqa: E402
@@ -65,7 +65,6 @@ from tracekit.rl.trainer import (  # noqa: E402
     GRPOTrainer,
     LocalBackend,
     LoraSettings,
-    causal_lm,
     set_activation_checkpointing,
 )
 from tracekit.types import Trajectory  # noqa: E402
@@ -274,7 +273,7 @@ def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, save=
     flops = update_flops(cfg, lengths, gen * args.update_batch, args.lora_rank)
     res["update_flops"] = flops
     res["update"] = []
-    lm = causal_lm(tr.model)
+    lm = causal_lm_of(tr.model)
     init = tr.adapter_state()
     warm = synthetic_batch(1, min(args.update_len, 256), min(gen, 128), cfg.vocab_size, seed=2)
     batch = synthetic_batch(args.update_batch, args.update_len, gen, cfg.vocab_size, seed=3)

@@ -269,7 +269,8 @@ def test_compile_backend_failure_falls_back_to_eager(tok, monkeypatch, caplog):
     """No working C++ compiler for inductor's CPU code: decoding and the update run uncompiled, logged."""
     import torch._inductor.config as inductor_config
 
-    from tracekit.rl.trainer import causal_lm, sequence_logprobs, set_activation_checkpointing
+    from tracekit.llm.decoding import causal_lm_of
+    from tracekit.rl.trainer import sequence_logprobs, set_activation_checkpointing
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached artifact would need no compiler
@@ -284,11 +285,11 @@ def test_compile_backend_failure_falls_back_to_eager(tok, monkeypatch, caplog):
         ids = torch.tensor([PROMPTS[1]])
         mask = torch.ones_like(ids)
         want = sequence_logprobs(model, ids, mask, mask)
-        set_activation_checkpointing(causal_lm(model), False, compile=True)
+        set_activation_checkpointing(causal_lm_of(model), False, compile=True)
         torch._dynamo.reset()
         got = sequence_logprobs(model, ids, mask, mask)
         assert "compiled layers off, running eagerly" in caplog.text
     assert torch.allclose(want, got, atol=1e-6)
-    set_activation_checkpointing(causal_lm(model), False)
-    assert all("forward" not in layer.__dict__ for layer in causal_lm(model).model.layers)
+    set_activation_checkpointing(causal_lm_of(model), False)
+    assert all("forward" not in layer.__dict__ for layer in causal_lm_of(model).model.layers)
 

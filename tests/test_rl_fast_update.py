@@ -10,7 +10,8 @@ from tracekit.rl import grpo
 from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.toy import tiny_model
-from tracekit.rl.trainer import build_peft_model, causal_lm, selective_checkpoint_context, sequence_logprobs, set_activation_checkpointing
+from tracekit.llm.decoding import causal_lm_of
+from tracekit.rl.trainer import build_peft_model, selective_checkpoint_context, sequence_logprobs, set_activation_checkpointing
 
 VOCAB = 384
 
@@ -65,16 +66,16 @@ def test_fused_kernels_equal_peft_and_transformers_forwards():
     model = _model()
     batch = _batch()
     ref = _loss_and_grads(model, *batch)
-    assert set_fused_update_kernels(causal_lm(model), True) == 7 * 2 + 2 * 4 + 1  # 14 LoRA linears, 9 RMSNorms
-    assert set_fused_update_kernels(causal_lm(model), True) == 0  # idempotent
+    assert set_fused_update_kernels(causal_lm_of(model), True) == 7 * 2 + 2 * 4 + 1  # 14 LoRA linears, 9 RMSNorms
+    assert set_fused_update_kernels(causal_lm_of(model), True) == 0  # idempotent
     _close(ref, _loss_and_grads(model, *batch))
-    set_fused_update_kernels(causal_lm(model), False)
+    set_fused_update_kernels(causal_lm_of(model), False)
     _close(ref, _loss_and_grads(model, *batch), tol=0.0)  # peft's own forward again, bit for bit
 
 
 def test_fused_lora_applies_dropout_and_honours_disabled_adapters():
     model = _model(dropout=0.5)
-    set_fused_update_kernels(causal_lm(model), True)
+    set_fused_update_kernels(causal_lm_of(model), True)
     ids, attn, lmask = _batch()
     model.train()
     torch.manual_seed(0)
@@ -85,7 +86,7 @@ def test_fused_lora_applies_dropout_and_honours_disabled_adapters():
     model.eval()
     with torch.no_grad(), model.disable_adapter():
         off = sequence_logprobs(model, ids, attn, lmask)
-    set_fused_update_kernels(causal_lm(model), False)
+    set_fused_update_kernels(causal_lm_of(model), False)
     with torch.no_grad(), model.disable_adapter():
         assert torch.allclose(off, sequence_logprobs(model, ids, attn, lmask), atol=1e-6)
 
@@ -93,10 +94,10 @@ def test_fused_lora_applies_dropout_and_honours_disabled_adapters():
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_checkpointing_gives_the_same_loss_and_gradients(policy):
     model = _model()
-    set_fused_update_kernels(causal_lm(model), True)
+    set_fused_update_kernels(causal_lm_of(model), True)
     batch = _batch()
     ref = _loss_and_grads(model, *batch)
-    set_activation_checkpointing(causal_lm(model), True, policy)
+    set_activation_checkpointing(causal_lm_of(model), True, policy)
     _close(ref, _loss_and_grads(model, *batch), tol=1e-6)
 
 
@@ -126,9 +127,9 @@ def test_selective_checkpointing_recomputes_no_big_matmul_full_recomputes_all():
     # every base projection's inner dim > 256 (hidden 320, 4 x 80 query dims, MLP 640); LoRA rank 4
     arch = dict(hidden_size=320, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2, head_dim=80)
     model = build_peft_model(tiny_model(VOCAB, seed=0, **arch), LoraSettings(rank=4, alpha=8), 0)
-    set_fused_update_kernels(causal_lm(model), True)
+    set_fused_update_kernels(causal_lm_of(model), True)
     batch = _batch()
-    lm = causal_lm(model)
+    lm = causal_lm_of(model)
     big0, small0 = _backward_matmuls(model, batch)
     set_activation_checkpointing(lm, True, "selective")
     big_s, small_s = _backward_matmuls(model, batch)
@@ -178,7 +179,7 @@ def test_new_settings_validate():
     with pytest.raises(ValueError, match="rollout_fast"):
         GRPOSettings(rollout_fast="maybe")
     with pytest.raises(ValueError, match="checkpoint policy"):
-        set_activation_checkpointing(causal_lm(_model()), True, "some")
+        set_activation_checkpointing(causal_lm_of(_model()), True, "some")
 
 
 @pytest.mark.gpu
@@ -191,8 +192,8 @@ def test_gpu_fused_bf16_update_matches_float32_within_bf16_tolerance(compiled):
     for n, p in model.named_parameters():  # a bf16 backbone with float32 adapters (what the trainer builds)
         if "lora_" not in n:
             p.data = p.data.to(torch.bfloat16)
-    set_fused_update_kernels(causal_lm(model), True)
-    set_activation_checkpointing(causal_lm(model), True, "selective", compile=compiled)
+    set_fused_update_kernels(causal_lm_of(model), True)
+    set_activation_checkpointing(causal_lm_of(model), True, "selective", compile=compiled)
     out = _loss_and_grads(model, *batch)
     assert all(g.dtype == torch.float32 for g in out[2].values())
     for k, g in ref[2].items():
@@ -208,7 +209,7 @@ def test_compiled_layers_give_the_same_loss_and_gradients(policy):
 
     torch._dynamo.reset()
     model = _model()
-    lm = causal_lm(model)
+    lm = causal_lm_of(model)
     set_fused_update_kernels(lm, True)
     batch = _batch()
     ref = _loss_and_grads(model, *batch)
@@ -230,5 +231,5 @@ def test_trainer_compile_update_installs_compiled_layers(tmp_path):
     tok = tiny_tokenizer()
     s = GRPOSettings(compile_update=True, gradient_checkpointing=True, checkpoint_policy="full", lora=LoraSettings(rank=4, alpha=8))
     tr = GRPOTrainer(tiny_model(len(tok), seed=0), tok, KeywordSuite(), s, tmp_path, device="cpu")
-    layers = list(causal_lm(tr.model).model.layers)
+    layers = list(causal_lm_of(tr.model).model.layers)
     assert all("forward" in m.__dict__ and m._tracekit_ckpt == {"use_reentrant": False} and not m.gradient_checkpointing for m in layers)

@@ -9,7 +9,7 @@ import pytest
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
 from tracekit.synthesis.agent import (
-    AgentConfig,
+    GenerationAgentConfig,
     GenerationSpec,
     build_prompt,
     extract_code,
@@ -26,7 +26,7 @@ VALID = (Path(__file__).parent / "data" / "synthesis" / "valid_env.py").read_tex
 BROKEN = VALID.replace("# HOOK:module", "def broken(:")
 CAP = Capability(name="permission_error_recovery",
                  description="Recover from a PermissionError caused by a device setting instead of giving up.")
-FAST = AgentConfig(max_repair_rounds=2, max_mutation_rounds=2, validation=ValidationConfig(n_seeds=50),
+FAST = GenerationAgentConfig(max_repair_rounds=2, max_mutation_rounds=2, validation=ValidationConfig(n_seeds=50),
                    limits=SandboxLimits(wall_seconds=20, memory_bytes=1 << 30), calibration_seeds=4, calibration_k=4)
 
 
@@ -175,7 +175,7 @@ def test_offline_generation_with_the_bundled_model_ends_cleanly(tmp_path):
 
     model, tokenizer = load_backbone("smollm2_135m")
     client = HFChatClient(model, tokenizer, chat_format="smollm2", max_context_tokens=8192)
-    cfg = AgentConfig(max_repair_rounds=0, max_new_tokens=192, temperature=0.0,
+    cfg = GenerationAgentConfig(max_repair_rounds=0, max_new_tokens=192, temperature=0.0,
                       limits=SandboxLimits(wall_seconds=30, memory_bytes=1 << 30))
     result = generate_environment(client, spec(), tmp_path, cfg)
     assert json.loads((tmp_path / "generation.json").read_text())["status"] == result.status

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tracekit.llm.base import ChatClient, ChatResponse
-from tracekit.synthesis.agent import AgentConfig
+from tracekit.synthesis.agent import GenerationAgentConfig
 from tracekit.synthesis.protocol import ground_truth_actions
 from tracekit.synthesis.sandbox import SandboxLimits
 from tracekit.synthesis.stage import SynthesisSettings, open_package, synthesize, trajectory_excerpt
@@ -59,7 +59,7 @@ def test_generate_source_writes_a_sandboxed_package(tmp_path):
         Message(role="tool", content="PermissionError: Wifi cannot be turned on in low battery mode", tool_call_id="a"),
         Message(role="assistant", content="Sorry, I can't.")])
     selected = [{"name": "permission_error_recovery", "description": "recover", "example_failed_trajectories": [failed.uid]}]
-    settings = SynthesisSettings(source="generate", agent=AgentConfig(limits=LIMITS))
+    settings = SynthesisSettings(source="generate", agent=GenerationAgentConfig(limits=LIMITS))
     manifest = synthesize(selected, "toolsandbox", tmp_path, settings, trajectories={failed.uid: failed}, client=Canned())
     assert manifest["ready"] == 1
     prompt = (tmp_path / "permission_error_recovery" / "transcript.jsonl").read_text()

@@ -316,7 +316,7 @@ def _engine_spec(cfg: DictConfig) -> dict[str, Any]:
 
 
 def synthesize_stage(ctx: StageContext) -> None:
-    from tracekit.synthesis.agent import AgentConfig
+    from tracekit.synthesis.agent import GenerationAgentConfig
     from tracekit.synthesis.calibrate import CalibrationTargets, make_rollout_fn
     from tracekit.synthesis.sandbox import SandboxLimits
     from tracekit.synthesis.stage import SynthesisSettings, synthesize
@@ -332,7 +332,7 @@ def synthesize_stage(ctx: StageContext) -> None:
     settings = SynthesisSettings(
         source=sy.source, difficulty=sy.difficulty, validation=validation, limits=limits, targets=targets,
         calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k,
-        agent=AgentConfig(max_repair_rounds=sy.repair_rounds, max_mutation_rounds=sy.mutation_rounds,
+        agent=GenerationAgentConfig(max_repair_rounds=sy.repair_rounds, max_mutation_rounds=sy.mutation_rounds,
                           seed=ctx.seed if sy.source == "generate" else 0,  # the library source draws nothing
                           validation=validation, limits=limits, targets=targets,
                           calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k))

@@ -26,16 +26,13 @@ import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.constrained import TOOL_CHOICES, ToolCallGrammar
+from tracekit.llm.decoding import causal_lm_of
 from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text
 from tracekit.types import Message
 
 log = logging.getLogger(__name__)
 
 _TAIL_TOKENS = 16  # stop strings are matched in the decoded last tokens; longer strings need more
-
-
-def _base_model(model: Any) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -46,7 +43,7 @@ def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
-    gen_eos = getattr(getattr(_base_model(model), "generation_config", None), "eos_token_id", None)
+    gen_eos = getattr(getattr(causal_lm_of(model), "generation_config", None), "eos_token_id", None)
     for i in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
         if i is not None:
             ids.add(int(i))
@@ -157,7 +154,7 @@ class HFChatClient(ChatClient):
         self.stop_at_tool_call_end = stop_at_tool_call_end
         self.seed = seed
         self.prefill_chunk = prefill_chunk
-        base = _base_model(model)
+        base = causal_lm_of(model)
         text_config = base.config.get_text_config()
         self.max_context_tokens = max_context_tokens or getattr(text_config, "max_position_embeddings", None)
         self.torch_threads = torch_threads

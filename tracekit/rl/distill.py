@@ -76,7 +76,8 @@ from tracekit.rl.sft import (
     seed_everything,
 )
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
-from tracekit.rl.trainer import build_peft_model, causal_lm, sequence_logprobs, set_activation_checkpointing
+from tracekit.llm.decoding import causal_lm_of
+from tracekit.rl.trainer import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
@@ -324,9 +325,9 @@ def train_distill(
     model, dev = place_model(student_model, device, s.dtype)
     model = build_peft_model(model, s.lora, s.seed)
     teacher_of = attach_teachers(model, teachers)
-    set_fused_update_kernels(causal_lm(model), s.fused_update_kernels)  # after the teachers: their layers too
+    set_fused_update_kernels(causal_lm_of(model), s.fused_update_kernels)  # after the teachers: their layers too
     if s.gradient_checkpointing:
-        set_activation_checkpointing(causal_lm(model), True)
+        set_activation_checkpointing(causal_lm_of(model), True)
     backend = adamw_backend(model, s.lr, s.betas, s.weight_decay, s.max_grad_norm)  # the student's parameters only
     factory = engine_factory or hf_engine_factory(chat_format, s.max_prompt_tokens, s.rollout_batch_size, s.rollout_fast)
     engine = factory(model, tokenizer)

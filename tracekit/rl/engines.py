@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -35,9 +34,10 @@ from typing import Any
 import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
+from tracekit.llm.decoding import Completion, FastDecoder, generate, unsupported_reason
 from tracekit.llm.hf import stop_token_ids
 from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
-from tracekit.llm.decoding import Completion, FastDecoder, generate, unsupported_reason
+from tracekit.ports import free_port
 from tracekit.types import Message, stable_hash
 
 log = logging.getLogger(__name__)
@@ -239,12 +239,6 @@ class ClientEngine:
         self.client.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class VLLMSettings:
     model_path: str  # the backbone as a local HF folder (vLLM loads it itself)
@@ -293,7 +287,7 @@ class VLLMEngine:
     def _launch(self) -> str:
         if shutil.which("vllm") is None:
             raise EndpointError("grpo.engine=vllm needs the `vllm` command (pip install the gpu extra); not found on PATH")
-        port = self.s.port or _free_port()
+        port = self.s.port or free_port()
         cmd = [
             "vllm", "serve", self.s.model_path, "--host", self.s.host, "--port", str(port),
             "--enable-lora", "--max-lora-rank", str(self.s.max_lora_rank), "--max-loras", "2",

@@ -20,7 +20,6 @@ import importlib
 import io
 import logging
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.ports import free_port
 from tracekit.rl.settings import LauncherSettings
 from tracekit.rl.trainer import Dist, GRPOSettings, GRPOTrainer
 
@@ -117,11 +117,11 @@ class DeepSpeedBackend:
         self.stage = stage
         if stage == 3:
             from tracekit.rl.fused import set_fused_update_kernels
-            from tracekit.rl.trainer import causal_lm
+            from tracekit.llm.decoding import causal_lm_of
 
             # ZeRO-3 gathers a module's parameters in that module's forward hooks; the fused LoRA
             # forward reads lora_A/lora_B weights without calling those modules (shape-[0] partitions).
-            if set_fused_update_kernels(causal_lm(model), False):
+            if set_fused_update_kernels(causal_lm_of(model), False):
                 log.info("ZeRO-3: fused update kernels off (they bypass per-module parameter gathering)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         bf16 = torch.cuda.is_available() and s.dtype != "float32"
@@ -232,15 +232,9 @@ def run_training(
         trainer.engine.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_command(spec_path: Path, launcher: LauncherSettings) -> list[str]:
     """The subprocess command line for a DeepSpeed launcher kind."""
-    port = str(launcher.master_port or _free_port())
+    port = str(launcher.master_port or free_port())
     if launcher.command == "torchrun":
         return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1",

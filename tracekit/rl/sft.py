@@ -52,6 +52,7 @@ import torch
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from tracekit.rl.fused import set_fused_update_kernels
+from tracekit.llm.decoding import causal_lm_of
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
 from tracekit.rl.trainer import (
@@ -60,7 +61,6 @@ from tracekit.rl.trainer import (
     _rng_state,
     _set_rng_state,
     build_peft_model,
-    causal_lm,
     sequence_logprobs,
     set_activation_checkpointing,
 )
@@ -223,9 +223,9 @@ def train_sft(
     rows = _rows(examples)
     model, dev = place_model(model, device, s.dtype)
     model = build_peft_model(model, s.lora, s.seed)
-    set_fused_update_kernels(causal_lm(model), s.fused_update_kernels)
+    set_fused_update_kernels(causal_lm_of(model), s.fused_update_kernels)
     if s.gradient_checkpointing:
-        set_activation_checkpointing(causal_lm(model), True)
+        set_activation_checkpointing(causal_lm_of(model), True)
     backend = adamw_backend(model, s.lr, s.betas, s.weight_decay, s.max_grad_norm)
     steps_per_epoch = math.ceil(len(rows) / s.batch_size)
     total = s.epochs * steps_per_epoch

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json, write_jsonl
 from tracekit.envs.base import EnvSuite
+from tracekit.llm.decoding import causal_lm_of
 from tracekit.ops import token_logprobs
 from tracekit.rl import grpo
 from tracekit.rl.settings import GRPOSettings, LoraSettings
@@ -239,12 +240,6 @@ class _CompiledLayers:
         return _layer_call(layer, *args, **kwargs)
 
 
-def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers CausalLM inside a peft / DeepSpeed wrapper (LoRA layers stay injected)."""
-    m = getattr(model, "module", model)  # DeepSpeed engine
-    return m.get_base_model() if hasattr(m, "get_base_model") else m
-
-
 @contextmanager
 def lm_head_weight(lm: torch.nn.Module) -> Iterator[torch.Tensor]:
     """The lm_head weight; under ZeRO-3 a gathered, frozen copy (the backward pass of the chunked
@@ -281,7 +276,7 @@ def sequence_logprobs(
     The masks may stay on the host (the trainer's are): then selecting the M positions needs no
     device-to-host read, so the host keeps queueing the loss and backward while the forward runs.
     """
-    lm = causal_lm(model)
+    lm = causal_lm_of(model)
     dev = input_ids.device
     right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()) and bool(attention_mask[:, 0].all())
     hidden = lm.get_decoder()(
@@ -389,9 +384,9 @@ class GRPOTrainer:
         dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
         model = model.to(device=self.device, dtype=dtype)
         self.model = build_peft_model(model, settings.lora, settings.seed)
-        set_fused_update_kernels(causal_lm(self.model), settings.fused_update_kernels)
+        set_fused_update_kernels(causal_lm_of(self.model), settings.fused_update_kernels)
         if settings.gradient_checkpointing or settings.compile_update:
-            lm = causal_lm(self.model)
+            lm = causal_lm_of(self.model)
             set_activation_checkpointing(lm, settings.gradient_checkpointing, settings.checkpoint_policy, compile=settings.compile_update)
         self.backend = (backend_factory or LocalBackend)(self.model, settings)
         if engine_factory is None:

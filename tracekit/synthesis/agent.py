@@ -91,7 +91,7 @@ class GenerationSpec:
 
 
 @dataclass
-class AgentConfig:
+class GenerationAgentConfig:
     prompt_version: str = "v1"
     max_repair_rounds: int = 3
     max_mutation_rounds: int = 5
@@ -138,7 +138,7 @@ def pick_example(capability: str, target: str) -> str:
     return LIBRARY_NAMES[0]
 
 
-def build_prompt(spec: GenerationSpec, cfg: AgentConfig = AgentConfig()) -> str:
+def build_prompt(spec: GenerationSpec, cfg: GenerationAgentConfig = GenerationAgentConfig()) -> str:
     tools = spec.tools if spec.tools is not None else list(target_tools(spec.target).values())
     policy = spec.policy if spec.policy is not None else target_policy(spec.target)
     example = spec.example or pick_example(spec.capability.name, spec.target)
@@ -157,7 +157,7 @@ def build_prompt(spec: GenerationSpec, cfg: AgentConfig = AgentConfig()) -> str:
     )
 
 
-def _mutation_prompt(report: CalibrationReport, cfg: AgentConfig) -> str:
+def _mutation_prompt(report: CalibrationReport, cfg: GenerationAgentConfig) -> str:
     last = report.tried[-1]
     easy = last.verdict == "too_easy"
     s = last.stats
@@ -177,7 +177,7 @@ def _mutation_prompt(report: CalibrationReport, cfg: AgentConfig) -> str:
 class _Run:
     """State of one generation run (conversation, round records, files)."""
 
-    def __init__(self, client: ChatClient, spec: GenerationSpec, out_dir: Path, cfg: AgentConfig):
+    def __init__(self, client: ChatClient, spec: GenerationSpec, out_dir: Path, cfg: GenerationAgentConfig):
         self.client, self.spec, self.out, self.cfg = client, spec, out_dir, cfg
         self.messages = [Message(role="system", content="You write correct, self-contained Python code."),
                          Message(role="user", content=build_prompt(spec, cfg))]
@@ -231,7 +231,7 @@ class _Run:
         write_jsonl(self.out / "transcript.jsonl", self.messages)
 
 
-def _calibrate(code: str, cfg: AgentConfig, rollout_fn: RolloutFn, name: str) -> CalibrationReport:
+def _calibrate(code: str, cfg: GenerationAgentConfig, rollout_fn: RolloutFn, name: str) -> CalibrationReport:
     probe = SandboxBackend(code, cfg.limits)
     levels = probe.describe().difficulty_levels
     probe.close()
@@ -244,7 +244,7 @@ def _calibrate(code: str, cfg: AgentConfig, rollout_fn: RolloutFn, name: str) ->
 
 
 def generate_environment(client: ChatClient, spec: GenerationSpec, out_dir: str | Path,
-                         cfg: AgentConfig = AgentConfig(),
+                         cfg: GenerationAgentConfig = GenerationAgentConfig(),
                          rollout_fn: RolloutFn | None = None) -> GenerationResult:
     """Run the generation agent for one capability; returns (and writes) the result, accepted or failed."""
     out = Path(out_dir)
@@ -278,7 +278,7 @@ def generate_environment(client: ChatClient, spec: GenerationSpec, out_dir: str 
     return result
 
 
-def _calibrate_and_mutate(run: _Run, accepted: tuple[str, ValidationReport], cfg: AgentConfig,
+def _calibrate_and_mutate(run: _Run, accepted: tuple[str, ValidationReport], cfg: GenerationAgentConfig,
                           rollout_fn: RolloutFn) -> tuple[tuple[str, ValidationReport], bool]:
     """Calibrate; while too easy/hard, ask for a mutation (up to max_mutation_rounds). Keeps the closest version."""
     best = accepted
@@ -299,7 +299,7 @@ def _calibrate_and_mutate(run: _Run, accepted: tuple[str, ValidationReport], cfg
     return best, best_report.passed
 
 
-def _closer(a: CalibrationReport, b: CalibrationReport, cfg: AgentConfig) -> bool:
+def _closer(a: CalibrationReport, b: CalibrationReport, cfg: GenerationAgentConfig) -> bool:
     def best_distance(r: CalibrationReport) -> float:
         return min(distance(t.stats, cfg.targets) for t in r.tried)
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.llm.base import ChatClient
-from tracekit.synthesis.agent import AgentConfig, GenerationSpec, generate_environment
+from tracekit.synthesis.agent import GenerationAgentConfig, GenerationSpec, generate_environment
 from tracekit.synthesis.calibrate import CalibrationTargets, RolloutFn, calibrate_difficulty, write_calibration
 from tracekit.synthesis.library import find_library_env, library_env
 from tracekit.synthesis.protocol import InProcessBackend
@@ -41,7 +41,7 @@ class SynthesisSettings:
     source: Literal["library", "generate"] = "library"
     difficulty: int | None = None  # library default when None
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
+    agent: GenerationAgentConfig = field(default_factory=GenerationAgentConfig)
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     targets: CalibrationTargets = field(default_factory=CalibrationTargets)
     calibration_seeds: int = 4
