@@ -386,3 +386,64 @@ def test_context_cap_ends_rows_with_length(tiny):
     )
     assert full.finish_reason == "length" and len(full.completion_token_ids) == 3
     assert none.finish_reason == "length" and none.usage["completion_tokens"] == 0 and none.text == ""
+
+
+# -- memory: the decoder's working copy, one model at a time ------------------------------------------
+
+
+def test_refresh_and_release_after_a_weight_update_decode_the_new_weights(tiny):
+    """``refresh`` (a GRPO client engine's sync) re-merges a working copy built inside ``chat``'s inference
+    mode; ``release`` drops it and the next chat rebuilds it: both decode as a fresh client does."""
+    from peft import LoraConfig, get_peft_model
+
+    _, tok = tiny
+    model = get_peft_model(load_backbone("tiny")[0], LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    client = HFChatClient(model, tok)
+    client.chat(_requests()[:2])
+    assert client._decoder is not None  # the fast path: a merged working copy
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    want = [r.completion_token_ids for r in HFChatClient(model, tok).chat(_requests()[:3])]
+    client.refresh()
+    assert [r.completion_token_ids for r in client.chat(_requests()[:3])] == want
+    client.release()
+    assert client._decoder is None
+    assert [r.completion_token_ids for r in client.chat(_requests()[:3])] == want
+    assert client._decoder is not None
+
+
+def test_load_backbone_drops_registered_model_caches_first():
+    from tracekit.llm import backbones
+
+    calls = []
+    backbones.register_model_cache("test", lambda: calls.append(1) or 1)
+    try:
+        load_backbone("tiny")
+        assert calls == [1]
+        with backbones.keeping_cached_models():  # a cache filling itself keeps its siblings
+            load_backbone("tiny")
+        assert calls == [1]
+        load_backbone("tiny")
+        assert calls == [1, 1]
+    finally:
+        backbones._MODEL_CACHES.pop("test")
+
+
+def test_stage_clients_are_dropped_when_a_stage_loads_its_own_backbone(make_cfg):
+    """The agent's cached client (the rollout stage's) leaves the cache when training loads its model;
+    building a client never drops another role's."""
+    from tracekit import stages
+
+    cfg = make_cfg("backbone=tiny", "backbone.device=cpu")
+    stages._CLIENTS.clear()
+    try:
+        agent = stages.client_for(cfg, "agent")
+        assert stages.client_for(cfg, "agent") is agent and len(stages._CLIENTS) == 1
+        stages._CLIENTS["remote"] = type("Remote", (), {"name": "openai"})()  # holds no model: kept
+        load_backbone("tiny")  # e.g. the train stage's model
+        assert list(stages._CLIENTS) == ["remote"]
+        assert stages.client_for(cfg, "agent") is not agent  # built afresh when asked again
+    finally:
+        stages._CLIENTS.clear()

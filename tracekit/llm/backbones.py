@@ -14,18 +14,30 @@ counts) or with seeded random weights (throughput benchmarks) without any downlo
 The cache root is ``$TRACEKIT_CACHE`` or ``~/.cache/tracekit``; every cached folder is built in a
 temp directory under a file lock and renamed into place, so a killed export leaves nothing that
 looks complete.
+
+One model at a time: :func:`load_backbone` first drops the in-process models that caches registered
+with :func:`register_model_cache` hold (``tracekit.stages``' chat clients), unless it is called inside
+:func:`keeping_cached_models` (a cache filling itself), then returns freed memory to the OS
+(:func:`release_memory`). So a stage that loads its own backbone (GRPO training, composition) does
+not also keep the agent's model of an earlier stage for the rest of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+import ctypes
+import ctypes.util
+import gc
 import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,15 +321,77 @@ def count_parameters(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# --------------------------------------------------------------------------------------------
+# One model at a time
+
+_MODEL_CACHES: dict[str, Callable[[], int]] = {}
+_KEEPING = contextvars.ContextVar("tracekit_keeping_cached_models", default=False)
+_LIBC: Any = None
+
+
+def register_model_cache(name: str, release: Callable[[], int]) -> None:
+    """``release()`` drops the in-process models the cache ``name`` holds and returns how many it dropped;
+    :func:`load_backbone` calls it before loading (outside :func:`keeping_cached_models`). Registering a
+    name again replaces its function."""
+    _MODEL_CACHES[name] = release
+
+
+@contextlib.contextmanager
+def keeping_cached_models() -> Iterator[None]:
+    """Backbones loaded inside do not drop the registered caches' models (e.g. a client cache building
+    the user's model beside the agent's: both serve the same rollout)."""
+    token = _KEEPING.set(True)
+    try:
+        yield
+    finally:
+        _KEEPING.reset(token)
+
+
+def release_cached_models() -> int:
+    """Drop every registered cache's in-process models, then :func:`release_memory`; -> models dropped."""
+    n = sum(release() for release in list(_MODEL_CACHES.values()))
+    release_memory()
+    return n
+
+
+def release_memory() -> None:
+    """Collect unreachable objects (a model in a reference cycle, e.g. one whose modules hold bound-method
+    forwards, is freed only by the cycle collector) and hand freed heap pages back to the OS (glibc
+    ``malloc_trim``: CPU tensors below its mmap threshold live on the heap, whose free pages RSS would
+    otherwise keep counting). CUDA memory is left to torch's caching allocator."""
+    global _LIBC
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 def load_backbone(
     spec: str | BackboneSpec | dict[str, Any],
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     cache_dir: str | Path | None = None,
 ) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a backbone, in eval mode; the tokenizer's template supports ``tools=``."""
+    """``(model, tokenizer)`` for a backbone, in eval mode; the tokenizer's template supports ``tools=``.
+
+    Before loading, the registered caches' models are dropped (outside :func:`keeping_cached_models`)
+    and freed memory goes back to the OS (see the module docstring: one model at a time).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if _KEEPING.get():
+        release_memory()
+    else:
+        dropped = release_cached_models()
+        if dropped:
+            log.info("load_backbone: dropped %d cached in-process model(s) first (one model at a time)", dropped)
     spec = get_spec(spec)
     torch_dtype = resolve_dtype(dtype, spec.dtype, device)
     if spec.source == "random":

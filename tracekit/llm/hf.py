@@ -214,9 +214,17 @@ class HFChatClient(ChatClient):
 
     def refresh(self) -> None:
         """Re-merge the adapter into the fast decoder's working copy (after the weights changed in a
-        way that bypasses version counters, e.g. DeepSpeed's ``p.data`` copies)."""
+        way that bypasses version counters, e.g. DeepSpeed's ``p.data`` copies). In inference mode: the
+        working copy was built inside :meth:`chat`'s, and an inference tensor takes in-place writes only there."""
         if self._decoder is not None:
-            self._decoder.refresh()
+            with torch.inference_mode():
+                self._decoder.refresh()
+
+    def release(self) -> None:
+        """Drop the fast decoder: its merged working copy of the weights and its static KV cache (e.g. a
+        GRPO trainer's rollout client while the update runs). The next chat builds it again from the
+        current weights, as the first chat did."""
+        self._decoder = None
 
     def _session(self, prompts: list[list[int]], max_new: int) -> Any:
         from tracekit.llm.decoding import FastDecoder, open_session, unsupported_reason

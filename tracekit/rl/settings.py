@@ -52,6 +52,10 @@ class GRPOSettings:
     logprob_chunk: int = 1024  # rows of the [tokens x vocab] logits alive at once
     rollout_batch_size: int = 64  # sequences per generate call (hf engine)
     gradient_checkpointing: bool = False
+    # between an iteration's rollouts and its update: drop the rollout engine's fast decoder (merged weight
+    # copy, static KV cache; rebuilt from the current weights at the next rollouts) and hand freed memory
+    # back to the OS (gc + malloc_trim): the update then runs beside one copy of the weights, not two
+    release_rollout_memory: bool = False
     checkpoint_policy: str = "full"  # full (recompute whole layers) | selective (recompute elementwise ops only)
     fused_update_kernels: bool = True  # LoRA as bf16 addmm (fp32 master weights), fused RMSNorm (rl/fused.py)
     compile_update: bool = False  # torch.compile the decoder layers of the update (checkpointing inside)
@@ -85,6 +89,7 @@ class GRPOSettings:
             ),
             (self.num_minibatches >= 1 and self.epochs >= 1, "num_minibatches/epochs", ">= 1"),
             (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
+            (isinstance(self.release_rollout_memory, bool), "release_rollout_memory", "true or false"),
             (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
             (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
