@@ -56,20 +56,25 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
 
 
-def write_random_adapter(model: torch.nn.Module, directory: Path, rank: int, seed: int) -> None:
-    """A peft-format LoRA adapter (adapter_config.json + adapter_model.safetensors) with random factors."""
+def write_random_adapter(model: torch.nn.Module, directory: Path, rank: int, seed: int, targets: list[str] | None = None) -> None:
+    """A peft-format LoRA adapter (adapter_config.json + adapter_model.safetensors) with random factors on the
+    ``nn.Linear`` modules named ``targets`` (default TARGETS); the config lists only the names the model has
+    as linears (peft maps gate/up/down_proj onto fused 3-D experts otherwise)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
+    targets = list(targets or TARGETS)
+    linear = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = [t for t in targets if t in linear]
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.rpartition(".")[2] in TARGETS:
+        if isinstance(mod, torch.nn.Linear) and name.rpartition(".")[2] in targets:
             a = torch.randn(rank, mod.in_features, generator=g) / math.sqrt(mod.in_features)
             b = torch.randn(mod.out_features, rank, generator=g) / math.sqrt(rank) * 0.1
             tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
             tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS).save_pretrained(str(directory))
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets).save_pretrained(str(directory))
     save_file(tensors, str(directory / "adapter_model.safetensors"))
 
 

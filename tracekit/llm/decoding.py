@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason
+
 log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -400,6 +402,11 @@ class FastDecoder:
     SiLU * up and the cache writes fuse; no cudagraphs of its own, the session captures the step);
     dense MLPs only; if the compiler backend fails (e.g. no C++ compiler for CPU code) decoding
     continues uncompiled with the reason logged.
+    ``moe``: how MoE blocks run. ``fused`` (``auto`` picks it where
+    :func:`tracekit.llm.moe_experts.fused_experts_reason` allows): routing, grouped expert GEMMs and the
+    experts' LoRA (peft ``target_parameters``) per (token, expert) pair, on the base weights in place
+    (:class:`~tracekit.llm.moe_experts.FusedExperts`), graph-capturable; ``module``: the block's own
+    forward (peft then materialises every expert's adapted weight per call; no CUDA graphs).
     """
 
     def __init__(
@@ -411,7 +418,10 @@ class FastDecoder:
         seq_bucket: int = 64,
         attention: str = "sdpa",
         compile_layers: bool = False,
+        moe: str = "auto",
     ):
+        if moe not in ("auto", "fused", "module"):
+            raise ValueError(f"moe must be auto, fused or module, got {moe!r}")
         if attention not in ("sdpa", "bmm"):
             raise ValueError(f"attention must be sdpa or bmm, got {attention!r}")
         self.attention = attention
@@ -435,9 +445,22 @@ class FastDecoder:
         self.dtype = self.head.weight.dtype
         self.prefill_chunk, self.seq_bucket = prefill_chunk, seq_bucket
         dense = all(_dense_mlp(layer.mlp) for layer in self.layers)
-        self.cuda_graphs = (self.dev.type == "cuda" and dense) if cuda_graphs is None else bool(cuda_graphs and self.dev.type == "cuda")
-        if cuda_graphs and not dense:
-            raise NotImplementedError("CUDA-graph decoding needs dense MLPs (a MoE block's routing is data-dependent)")
+        self.moe_blocks: list[FusedExperts | None] = [None] * len(self.layers)
+        if not dense and moe != "module":
+            why = {i: fused_experts_reason(l.mlp) for i, l in enumerate(self.layers) if not _dense_mlp(l.mlp)}
+            bad = {i: r for i, r in why.items() if r is not None}
+            if bad and moe == "fused":
+                i, r = next(iter(bad.items()))
+                raise NotImplementedError(f"moe=fused: layer {i}: {r}")
+            if not bad:
+                with torch.no_grad():
+                    self.moe_blocks = [FusedExperts(l.mlp, self.dtype) if i in why else None for i, l in enumerate(self.layers)]
+        graphable = all(_dense_mlp(l.mlp) or m is not None for l, m in zip(self.layers, self.moe_blocks))
+        self.cuda_graphs = (self.dev.type == "cuda" and graphable) if cuda_graphs is None else bool(cuda_graphs and self.dev.type == "cuda")
+        if cuda_graphs and not graphable:
+            raise NotImplementedError(
+                "CUDA-graph decoding needs dense MLPs or fused-experts MoE blocks (moe=module runs a block's data-dependent forward)"
+            )
         if compile_layers and not dense:
             raise NotImplementedError("compile_layers needs dense MLPs (a MoE block runs as its own module)")
         with torch.no_grad():
@@ -463,7 +486,8 @@ class FastDecoder:
 
     # ---- weights ---------------------------------------------------------------------------
     def _version_key(self) -> int:
-        return sum(t._version for f in self._fused for t in f.params())
+        srcs = [f.params() for f in self._fused] + [m.params() for m in self.moe_blocks if m is not None]
+        return sum(t._version for ts in srcs for t in ts)
 
     def _stack_qk_norms(self) -> None:
         if not hasattr(self.layers[0].self_attn, "q_norm"):
@@ -480,6 +504,9 @@ class FastDecoder:
         with torch.no_grad():
             for f in self._fused:
                 f.refresh()
+            for m in self.moe_blocks:
+                if m is not None:
+                    m.refresh()
             if self.qk_norm is not None:
                 for w, l in zip(self.qk_norm, self.layers):
                     hq = self.n_kv * self.group
@@ -546,8 +573,11 @@ class FastDecoder:
             qkv, o, qkn = self.qkv[i], self.o[i], None if self.qk_norm is None else self.qk_norm[i]
             kc, vc = self.k[i][:B], self.v[i][:B]
             attn = (ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, kc, vc, new, cos, sin_signed, bias, self.shape)
-            if self.gu[i] is None:  # a MoE block: its own module
+            if self.gu[i] is None:  # a MoE block: fused experts, or its own module
                 x = _attention_block(x, *attn)
+                if self.moe_blocks[i] is not None:
+                    x = x + self.moe_blocks[i](_rms(x, ln2, self.shape.eps))
+                    continue
                 out = layer.mlp(_rms(x, ln2, self.shape.eps).view(B, c, -1))
                 x = x + (out[0] if isinstance(out, tuple) else out).reshape(B * c, -1)
                 continue

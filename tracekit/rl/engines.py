@@ -12,32 +12,27 @@ engine generates, and the trainer sees exactly the ids the engine consumed and p
   copy, re-merged at each ``sync``; static KV cache; CUDA-graph decode steps on GPU).
 - :class:`ClientEngine` wraps any token-returning chat client on the live model (e.g. the llm
   package's ``HFChatClient`` with constrained tool calls, to train with the agent's own decoding).
-- ``vllm``: :class:`VLLMEngine` manages a ``vllm serve --enable-lora`` subprocess; each iteration
-  the adapter is saved and loaded at runtime through ``/v1/load_lora_adapter`` (adapter-only sync),
-  and completions are requested with prompt token ids and ``return_tokens_as_token_ids``. vllm and
-  the server are only touched when this engine is used.
+- ``vllm``: :class:`VLLMEngine` (:mod:`tracekit.rl.vllm_client`) manages a ``vllm serve --enable-lora``
+  subprocess (or uses a running server); each iteration the adapter is saved and loaded at runtime
+  through ``/v1/load_lora_adapter`` (adapter-only sync), completions are requested with prompt token
+  ids and ``return_tokens_as_token_ids`` / ``return_token_ids``, the server can be stopped for the
+  update and restarted between iterations, and lost servers or adapters are recovered. vllm and the
+  server are only touched when this engine is used.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import subprocess
-import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
+from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.decoding import Completion, FastDecoder, generate, unsupported_reason
 from tracekit.llm.hf import stop_token_ids
 from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
-from tracekit.ports import free_port
 from tracekit.types import Message, stable_hash
 
 log = logging.getLogger(__name__)
@@ -184,13 +179,16 @@ class HFEngine:
             log.info("hf engine: plain peft decoding (%s)", reason)
         if reason is not None and compile_layers:
             raise NotImplementedError(f"grpo.rollout_compile needs fast decoding, which is off for this model: {reason}")
-        self.decoder = (
-            FastDecoder(model, cuda_graphs=cuda_graphs, compile_layers=compile_layers, attention="bmm" if compile_layers else "sdpa")
-            if reason is None
-            else None
-        )
+
+        def make_decoder() -> FastDecoder:
+            return FastDecoder(model, cuda_graphs=cuda_graphs, compile_layers=compile_layers, attention="bmm" if compile_layers else "sdpa")
+
+        self._make_decoder = make_decoder if reason is None else None
+        self.decoder = make_decoder() if reason is None else None
 
     def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
+        if self.decoder is None and self._make_decoder is not None:  # released after the last rollouts
+            self.decoder = self._make_decoder()
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling: the rollout policy is the eval-mode policy
         try:
@@ -212,8 +210,14 @@ class HFEngine:
         if self.decoder is not None:
             self.decoder.refresh()
 
+    def release(self) -> None:
+        """Drop the fast decoder (merged working copy, static KV cache, CUDA graphs) until the next
+        rollouts, which build it again from the current weights (``grpo.release_rollout_memory``)."""
+        self.decoder = None
+
     def close(self) -> None:
         self.decoder = None
+        self._make_decoder = None
 
 
 class ClientEngine:
@@ -235,157 +239,17 @@ class ClientEngine:
         if refresh is not None:
             refresh()
 
+    def release(self) -> None:
+        """Let the client drop what it keeps between chats (``HFChatClient``: its fast decoder's working
+        copy and KV cache); clients without such state keep nothing (``grpo.release_rollout_memory``)."""
+        release = getattr(self.client, "release", None)
+        if release is not None:
+            release()
+
     def close(self) -> None:
         self.client.close()
 
 
-@dataclass
-class VLLMSettings:
-    model_path: str  # the backbone as a local HF folder (vLLM loads it itself)
-    host: str = "127.0.0.1"
-    port: int | None = None  # None: a free port
-    max_lora_rank: int = 64
-    gpu_memory_utilization: float = 0.5  # the trainer shares the GPU
-    dtype: str = "bfloat16"
-    max_model_len: int = 32768
-    startup_timeout_s: float = 900.0
-    request_timeout_s: float = 600.0
-    concurrency: int = 64
-    extra_args: tuple[str, ...] = ()
-    base_url: str | None = None  # an already running server (then nothing is launched)
-
-
-class VLLMEngine:
-    """A managed ``vllm serve`` with runtime LoRA loading (adapter-only sync each iteration)."""
-
-    kind = "vllm"
-
-    def __init__(
-        self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, chat_format: str = "qwen3", max_prompt_tokens: int = 32000
-    ):
-        import httpx
-
-        self.s = settings
-        self.work_dir = Path(work_dir)
-        self.proc: subprocess.Popen | None = None
-        self.lora_name: str | None = None
-        self._lora_path: Path | None = None
-        if settings.base_url:
-            self.base_url = settings.base_url.rstrip("/")
-        else:
-            self.base_url = self._launch()
-        self.http = httpx.Client(base_url=self.base_url, timeout=settings.request_timeout_s)
-        self.client = PolicyChat(
-            tokenizer,
-            self._generate,
-            stop_token_ids(None, tokenizer),
-            chat_format=chat_format,
-            max_prompt_tokens=max_prompt_tokens,
-            batch_size=settings.concurrency,
-        )
-
-    def _launch(self) -> str:
-        if shutil.which("vllm") is None:
-            raise EndpointError("grpo.engine=vllm needs the `vllm` command (pip install the gpu extra); not found on PATH")
-        port = self.s.port or free_port()
-        cmd = [
-            "vllm", "serve", self.s.model_path, "--host", self.s.host, "--port", str(port),
-            "--enable-lora", "--max-lora-rank", str(self.s.max_lora_rank), "--max-loras", "2",
-            "--dtype", self.s.dtype, "--gpu-memory-utilization", str(self.s.gpu_memory_utilization),
-            "--max-model-len", str(self.s.max_model_len), *self.s.extra_args,
-        ]  # fmt: skip
-        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        logf = open(self.work_dir / "vllm_server.log", "ab")
-        log.info("starting %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        url = f"http://{self.s.host}:{port}"
-        self._wait_healthy(url)
-        return url
-
-    def _wait_healthy(self, url: str) -> None:
-        import httpx
-
-        t0 = time.time()
-        while time.time() - t0 < self.s.startup_timeout_s:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EndpointError(f"vllm serve exited with code {self.proc.returncode}; see {self.work_dir / 'vllm_server.log'}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        self.close()
-        raise EndpointError(f"vllm serve not healthy after {self.s.startup_timeout_s:.0f}s; see {self.work_dir / 'vllm_server.log'}")
-
-    def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
-        """Save the current adapter and load it into the server under a fresh name; unload the old one."""
-        path = self.work_dir / "adapters" / f"iter_{iteration:05d}"
-        save_adapter(path)
-        name = f"policy-it{iteration}-{uuid.uuid4().hex[:6]}"
-        r = self.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path.resolve())})
-        if r.status_code != 200:
-            raise EndpointError(f"vllm load_lora_adapter failed ({r.status_code}): {r.text[:300]}")
-        if self.lora_name is not None:
-            self.http.post("/v1/unload_lora_adapter", json={"lora_name": self.lora_name})
-            if self._lora_path is not None and self._lora_path != path:
-                shutil.rmtree(self._lora_path, ignore_errors=True)
-        self.lora_name, self._lora_path = name, path
-
-    def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
-        if self.lora_name is None:
-            raise EndpointError("vllm engine used before sync(): no adapter loaded")
-        from concurrent.futures import ThreadPoolExecutor
-
-        def one(i: int) -> Completion:
-            body = {
-                "model": self.lora_name,
-                "prompt": prompts[i],
-                "max_tokens": max_new,
-                "temperature": temperature,
-                "top_p": top_p,
-                "seed": (seed + i) % (2**31),
-                "logprobs": 1,
-                "return_tokens_as_token_ids": True,
-                "skip_special_tokens": False,
-                "stop_token_ids": self.client.stop_ids,
-                "include_stop_str_in_output": True,
-            }
-            r = self.http.post("/v1/completions", json=body)
-            if r.status_code != 200:
-                raise EndpointError(f"vllm completion failed ({r.status_code}): {r.text[:300]}")
-            return parse_vllm_choice(r.json()["choices"][0], self.client.stop_ids)
-
-        with ThreadPoolExecutor(max_workers=self.s.concurrency) as ex:
-            return list(ex.map(one, range(len(prompts))))
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc = None
-
-
-def parse_vllm_choice(choice: dict[str, Any], stop_ids: Sequence[int]) -> Completion:
-    """A ``/v1/completions`` choice with ``return_tokens_as_token_ids`` -> ids and log-probs.
-
-    vLLM formats each token as ``"token_id:<id>"``. A completion counts as stopped iff its last id
-    is a stop id (the sampled end-of-turn token is trained on like any other generated token).
-    """
-    lp = choice.get("logprobs") or {}
-    toks, lps = lp.get("tokens"), lp.get("token_logprobs")
-    if toks is None or lps is None:
-        raise EndpointError("vllm response has no token log-probs (was logprobs requested?)")
-    ids = []
-    for t in toks:
-        if not isinstance(t, str) or not t.startswith("token_id:"):
-            raise EndpointError(f"vllm token {t!r} is not 'token_id:<id>' (is return_tokens_as_token_ids supported?)")
-        ids.append(int(t.split(":", 1)[1]))
-    if len(ids) != len(lps):
-        raise EndpointError(f"vllm returned {len(ids)} tokens but {len(lps)} log-probs")
-    finish = "stop" if ids and ids[-1] in set(stop_ids) else "length"
-    return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=finish)
+# The scale-out path (an OpenAI-compatible server with runtime LoRA loading: restarts between iterations,
+# recovery, prompt-id checks) lives in tracekit.rl.vllm_client; its names stay importable from here.
+from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings, parse_vllm_choice  # noqa: E402, F401

@@ -1,0 +1,331 @@
+"""The scale-out rollout path: an OpenAI-compatible inference server with runtime LoRA loading (vLLM's API).
+
+The trainer keeps the model; a server (``vllm serve --enable-lora``, or anything that speaks the same
+subset) samples the rollouts. Per iteration only the adapter travels: it is saved with peft's
+``save_pretrained`` and loaded at runtime under a fresh name (``POST /v1/load_lora_adapter``); the
+previous one is unloaded and its files removed. The backbone is never merged or pushed as full weights.
+
+Completions are requested with the prompt as *token ids* rendered here (``"prompt": [ids]``, so the
+server cannot re-tokenize differently), ``logprobs: 1``, ``return_tokens_as_token_ids`` and
+``return_token_ids``. Training therefore sees exactly the rollout's tokens and the log-probs the server
+sampled them with. A server that echoes ``prompt_token_ids`` is checked against the ids sent. Mismatched
+sampler numerics (the server's kernels against the trainer's) are what ``grpo.old_logprobs=recompute``
+with ``grpo.tis_cap`` (truncated importance sampling) corrects.
+
+Server lifecycle (:class:`VLLMServer`):
+
+- launched by the engine (``command``: an argv template, ``vllm serve`` by default), or an already
+  running one (``base_url``);
+- ``stop_during_update``: the engine's ``release()`` (called between an iteration's rollouts and its
+  update under ``grpo.release_rollout_memory``) stops the server, so the update has the GPU to itself, and
+  the next ``sync`` starts it again and loads the new adapter: a server restart between iterations;
+  ``restart_every`` restarts it every n iterations whatever else happens;
+- recovery: a request that finds the server gone (connection refused) restarts a managed server (or waits
+  for an external one to come back), and one that finds the adapter unknown (404 after a restart nobody
+  told the engine about) loads the current adapter again; then the request is retried, up to
+  ``max_retries`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracekit.llm.base import EndpointError
+from tracekit.llm.decoding import Completion
+from tracekit.ports import free_port
+
+log = logging.getLogger(__name__)
+
+VLLM_COMMAND = (
+    "vllm", "serve", "{model}", "--host", "{host}", "--port", "{port}", "--enable-lora", "--max-lora-rank", "{max_lora_rank}",
+    "--max-loras", "2", "--dtype", "{dtype}", "--gpu-memory-utilization", "{gpu_memory_utilization}", "--max-model-len", "{max_model_len}",
+)  # fmt: skip
+
+
+@dataclass
+class VLLMSettings:
+    model_path: str  # the backbone as a local HF folder (the server loads it itself)
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: a free port (a fresh one at every restart)
+    max_lora_rank: int = 64
+    gpu_memory_utilization: float = 0.5  # the trainer shares the GPU
+    dtype: str = "bfloat16"
+    max_model_len: int = 32768
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    concurrency: int = 64
+    extra_args: tuple[str, ...] = ()
+    base_url: str | None = None  # an already running server (then nothing is launched)
+    # argv template of the server ({model} {host} {port} {max_lora_rank} {dtype} {gpu_memory_utilization}
+    # {max_model_len}); empty: ``vllm serve`` (VLLM_COMMAND) plus extra_args
+    command: tuple[str, ...] = ()
+    stop_during_update: bool = False  # release() stops a managed server; the next sync starts it again
+    restart_every: int = 0  # > 0: restart a managed server every n iterations (at sync)
+    max_retries: int = 2  # per request: after a restart / re-load of the adapter
+    verify_prompt_ids: bool = True  # compare a server's echoed prompt_token_ids with the ids sent
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of a launched server
+
+
+class VLLMServer:
+    """A managed server process (or an external one at ``base_url``): start, health, stop, restart."""
+
+    def __init__(self, s: VLLMSettings, work_dir: Path):
+        self.s = s
+        self.work_dir = Path(work_dir)
+        self.proc: subprocess.Popen | None = None
+        self.managed = not s.base_url
+        self.url: str | None = s.base_url.rstrip("/") if s.base_url else None
+        self.starts = 0
+
+    def argv(self, port: int) -> list[str]:
+        values = dict(
+            model=self.s.model_path, host=self.s.host, port=port, max_lora_rank=self.s.max_lora_rank, dtype=self.s.dtype,
+            gpu_memory_utilization=self.s.gpu_memory_utilization, max_model_len=self.s.max_model_len,
+        )  # fmt: skip
+        template = list(self.s.command) if self.s.command else [*VLLM_COMMAND, *self.s.extra_args]
+        return [str(a).format(**values) for a in template]
+
+    @property
+    def running(self) -> bool:
+        return not self.managed or (self.proc is not None and self.proc.poll() is None)
+
+    def start(self) -> str:
+        if not self.managed:  # an external server is taken as it is; requests find out if it is not there
+            return self.url
+        if self.running:
+            return self.url
+        port = self.s.port or free_port()
+        argv = self.argv(port)
+        if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
+            raise EndpointError(f"grpo.engine=vllm needs the `{argv[0]}` command (pip install the gpu extra); not found on PATH")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(self.work_dir / "vllm_server.log", "ab")  # noqa: SIM115 - the child keeps it open
+        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **self.s.env)
+        log.info("starting %s", " ".join(argv))
+        self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        logf.close()
+        self.url = f"http://{self.s.host}:{port}"
+        self.starts += 1
+        self.wait_healthy()
+        return self.url
+
+    def wait_healthy(self) -> None:
+        """Until ``GET /health`` answers 200 (a managed server: vLLM opens its port once the model is
+        loaded) or answers at all (an external one, which may not implement /health)."""
+        import httpx
+
+        t0 = time.time()
+        while time.time() - t0 < self.s.startup_timeout_s:
+            if self.managed and self.proc is not None and self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise EndpointError(f"inference server exited with code {code}; see {self.work_dir / 'vllm_server.log'}")
+            try:
+                code = httpx.get(f"{self.url}/health", timeout=5).status_code
+                if code == 200 or not self.managed:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2 if time.time() - t0 < 10 else 2)
+        self.stop()
+        raise EndpointError(f"inference server not healthy after {self.s.startup_timeout_s:.0f}s at {self.url}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> str:
+        self.stop()
+        return self.start()
+
+
+class _AdapterGone(Exception):
+    """The server answered 404 for the adapter's name: it was restarted without it."""
+
+
+class VLLMEngine:
+    """Rollouts from an OpenAI-compatible server with runtime LoRA loading (adapter-only sync each iteration)."""
+
+    kind = "vllm"
+
+    def __init__(
+        self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, chat_format: str = "qwen3", max_prompt_tokens: int = 32000
+    ):
+        import httpx
+
+        from tracekit.llm.hf import stop_token_ids
+        from tracekit.rl.engines import PolicyChat
+
+        self.s = settings
+        self.work_dir = Path(work_dir)
+        self.server = VLLMServer(settings, self.work_dir)
+        self.lora_name: str | None = None
+        self._lora_path: Path | None = None
+        self.restarts = 0  # restarts the engine made (between iterations or to recover)
+        self.reloads = 0  # adapter re-loads after a server forgot it
+        self._lock = threading.Lock()  # one recovery at a time (requests run in a thread pool)
+        self._recoveries = 0
+        self.base_url = self.server.start()
+        self.http = httpx.Client(timeout=settings.request_timeout_s)
+        self.client = PolicyChat(
+            tokenizer,
+            self._generate,
+            stop_token_ids(None, tokenizer),
+            chat_format=chat_format,
+            max_prompt_tokens=max_prompt_tokens,
+            batch_size=settings.concurrency,
+        )
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.server.proc
+
+    # ---- the adapter -----------------------------------------------------------------------
+    def _post(self, path: str, body: dict) -> Any:
+        return self.http.post(f"{self.server.url}{path}", json=body)
+
+    def _load(self, name: str, path: Path) -> None:
+        r = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
+        if r.status_code != 200:
+            raise EndpointError(f"load_lora_adapter {name} failed ({r.status_code}): {r.text[:300]}")
+
+    def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
+        """Save the current adapter and load it under a fresh name (starting or restarting the server
+        first where the settings ask); unload the old one and remove its files."""
+        if self.server.managed:
+            due = bool(self.s.restart_every) and iteration > 0 and iteration % self.s.restart_every == 0
+            if due or not self.server.running:
+                self._restart("restart_every" if due else "stopped since the last iteration")
+        path = self.work_dir / "adapters" / f"iter_{iteration:05d}"
+        save_adapter(path)
+        name = f"policy-it{iteration}-{uuid.uuid4().hex[:6]}"
+        self._load(name, path)
+        if self.lora_name is not None:
+            try:
+                self._post("/v1/unload_lora_adapter", {"lora_name": self.lora_name})
+            except Exception as e:  # noqa: BLE001 - a server restarted since then no longer has it
+                log.debug("unload %s: %s", self.lora_name, e)
+            if self._lora_path is not None and self._lora_path != path:
+                shutil.rmtree(self._lora_path, ignore_errors=True)
+        self.lora_name, self._lora_path = name, path
+
+    def _restart(self, why: str) -> None:
+        log.info("restarting the inference server (%s)", why)
+        self.server.restart()
+        self.restarts += 1
+
+    def _recover(self, err: Exception, seen: int | None = None) -> None:
+        """After a failed request: bring the server back (restart a managed one that died, else wait for
+        it) and load the current adapter again if the server lost it. ``seen``: the recovery count the
+        failed request started under; if another thread has recovered since, nothing more is done."""
+        with self._lock:
+            if seen is not None and seen != self._recoveries:
+                return
+            self._recover_locked(err)
+            self._recoveries += 1
+
+    def _recover_locked(self, err: Exception) -> None:
+        if isinstance(err, _AdapterGone):
+            pass
+        elif self.server.managed and not self.server.running:
+            self._restart(f"server gone: {type(err).__name__}")
+        else:
+            self.server.wait_healthy()
+        if self.lora_name is not None and self._lora_path is not None:
+            try:
+                self._load(self.lora_name, self._lora_path)
+                self.reloads += 1
+            except EndpointError as e:  # "already loaded": the adapter survived, the error was elsewhere
+                log.debug("re-load of %s: %s", self.lora_name, e)
+
+    # ---- sampling --------------------------------------------------------------------------
+    def release(self) -> None:
+        """Between rollouts and the update: stop a managed server when ``stop_during_update`` (the update
+        gets its GPU memory); the next :meth:`sync` starts it again with the new adapter."""
+        if self.s.stop_during_update and self.server.managed:
+            self.server.stop()
+
+    def _complete(self, prompt: list[int], max_new: int, temperature: float, top_p: float, seed: int) -> Completion:
+        import httpx
+
+        body = {
+            "model": self.lora_name, "prompt": prompt, "max_tokens": max_new, "temperature": temperature, "top_p": top_p,
+            "seed": seed % (2**31), "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+            "skip_special_tokens": False, "stop_token_ids": self.client.stop_ids, "include_stop_str_in_output": True,
+        }  # fmt: skip
+        for attempt in range(self.s.max_retries + 1):
+            seen = self._recoveries
+            try:
+                r = self._post("/v1/completions", body)
+                if r.status_code == 404:
+                    raise _AdapterGone(r.text[:200])
+                if r.status_code != 200:
+                    raise EndpointError(f"completion failed ({r.status_code}): {r.text[:300]}")
+                choice = r.json()["choices"][0]
+                echoed = choice.get("prompt_token_ids")
+                if self.s.verify_prompt_ids and echoed is not None and list(echoed) != list(prompt):
+                    raise EndpointError("the server's prompt_token_ids differ from the ids sent: the rollout would not be the trained tokens")
+                return parse_vllm_choice(choice, self.client.stop_ids)
+            except (_AdapterGone, httpx.TransportError) as e:
+                if attempt == self.s.max_retries:
+                    raise EndpointError(f"completion failed after {attempt + 1} tries: {type(e).__name__}: {e}") from e
+                self._recover(e, seen)
+        raise AssertionError("unreachable")
+
+    def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
+        if self.lora_name is None:
+            raise EndpointError("vllm engine used before sync(): no adapter loaded")
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not self.server.running:  # stopped for the update and not synced since: bring it back with the adapter
+            self._recover(EndpointError("server stopped"))
+        with ThreadPoolExecutor(max_workers=max(1, min(self.s.concurrency, len(prompts)))) as ex:
+            return list(ex.map(lambda i: self._complete(prompts[i], max_new, temperature, top_p, seed + i), range(len(prompts))))
+
+    def close(self) -> None:
+        self.server.stop()
+        self.http.close()
+
+
+def parse_vllm_choice(choice: dict[str, Any], stop_ids: Sequence[int]) -> Completion:
+    """A ``/v1/completions`` choice -> ids and log-probs.
+
+    Ids from ``token_ids`` (vLLM's ``return_token_ids``) where present, else from the log-prob tokens,
+    which ``return_tokens_as_token_ids`` formats as ``"token_id:<id>"``; both, when given, must agree.
+    A completion counts as stopped iff its last id is a stop id (the sampled end-of-turn token is trained
+    on like any other generated token).
+    """
+    lp = choice.get("logprobs") or {}
+    toks, lps = lp.get("tokens"), lp.get("token_logprobs")
+    if toks is None or lps is None:
+        raise EndpointError("vllm response has no token log-probs (was logprobs requested?)")
+    ids = []
+    for t in toks:
+        if not isinstance(t, str) or not t.startswith("token_id:"):
+            raise EndpointError(f"vllm token {t!r} is not 'token_id:<id>' (is return_tokens_as_token_ids supported?)")
+        ids.append(int(t.split(":", 1)[1]))
+    direct = choice.get("token_ids")
+    if direct is not None and list(direct) != ids:
+        raise EndpointError(f"vllm token_ids {list(direct)[:8]}... disagree with its log-prob tokens {ids[:8]}...")
+    if len(ids) != len(lps):
+        raise EndpointError(f"vllm returned {len(ids)} tokens but {len(lps)} log-probs")
+    if any(x is None for x in lps):
+        raise EndpointError("vllm returned a null log-prob for a generated token")
+    finish = "stop" if ids and ids[-1] in set(stop_ids) else "length"
+    return Completion(ids=ids, logprobs=[float(x) for x in lps], finish_reason=finish)
