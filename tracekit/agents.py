@@ -62,6 +62,11 @@ class LLMAgent(Agent):
     With ``temperature == 0`` decoding is greedy; otherwise each call is seeded with
     :func:`turn_seed` of (episode seed, turn), so a rerun reproduces the same samples on backends
     that honour seeds.
+
+    ``system_prompt_suffix`` (prompt-only and GEPA policies) is appended to the episode's system
+    message (separated by a blank line; a system message is added when the episode has none) in every
+    request and in the context-budget count; the episode's own messages, and so its trajectory, are
+    unchanged.
     """
 
     name = "llm"
@@ -73,6 +78,7 @@ class LLMAgent(Agent):
         top_p: float = 1.0,
         max_new_tokens: int = 256,
         return_tokens: bool = False,
+        system_prompt_suffix: str | None = None,
     ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -83,10 +89,21 @@ class LLMAgent(Agent):
         self.top_p = top_p
         self.max_new_tokens = max_new_tokens
         self.return_tokens = return_tokens
+        self.system_prompt_suffix = system_prompt_suffix or None
+
+    def with_suffix(self, messages: list[Message]) -> list[Message]:
+        """``messages`` as the model sees them: the system prompt extended by ``system_prompt_suffix``."""
+        if not self.system_prompt_suffix:
+            return list(messages)
+        if messages and messages[0].role == "system":
+            head = messages[0]
+            text = f"{head.content}\n\n{self.system_prompt_suffix}" if head.content else self.system_prompt_suffix
+            return [head.model_copy(update={"content": text}), *messages[1:]]
+        return [Message(role="system", content=self.system_prompt_suffix), *messages]
 
     def request(self, state: AgentState) -> ChatRequest:
         return ChatRequest(
-            messages=list(state.messages),
+            messages=self.with_suffix(state.messages),
             tools=state.tools or None,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -104,7 +121,7 @@ class LLMAgent(Agent):
         return responses
 
     def count_tokens(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> int:
-        return self.client.count_tokens(messages, tools)
+        return self.client.count_tokens(self.with_suffix(messages), tools)
 
     def close(self) -> None:
         self.client.close()

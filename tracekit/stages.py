@@ -42,6 +42,8 @@ def _select(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # models and clients (one per process and configuration)
 
+# In-process (hf) clients leave this cache when a stage loads a backbone of its own (GRPO training,
+# composition: ``llm.backbones.load_backbone``), so the run holds one model at a time.
 _CLIENTS: dict[str, Any] = {}
 
 
@@ -89,11 +91,24 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
                 "max_retries": ep["max_retries"], "max_concurrency": ep["concurrency"]}
         if key_env:
             spec["api_key_env"] = key_env
+    from tracekit.llm.backbones import keeping_cached_models, register_model_cache
+
     if adapter or moe:  # used for one rollout: not kept, so a run over many adapters holds one model at a time
-        return make_client(spec)
+        with keeping_cached_models():  # the cached user client serves the same rollout
+            return make_client(spec)
     key = stable_hash(spec)
     if key not in _CLIENTS:
-        _CLIENTS[key] = make_client(spec)
+        with keeping_cached_models():  # building one role's client keeps the others' (agent and user)
+            _CLIENTS[key] = make_client(spec)
+        if spec["kind"] == "hf":  # a model in this process: dropped when a stage loads its own backbone
+
+            def drop_in_process() -> int:
+                local = [k for k, c in _CLIENTS.items() if getattr(c, "name", None) == "hf"]
+                for k in local:
+                    del _CLIENTS[k]
+                return len(local)
+
+            register_model_cache("tracekit.stages._CLIENTS", drop_in_process)
     return _CLIENTS[key]
 
 
@@ -131,12 +146,13 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
     raise NotImplementedError(f"benchmark.kind={b.kind!r}: no adapter is built yet (built: tau2, synthetic)")
 
 
-def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None) -> Any:
+def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None,
+                system_prompt_suffix: str | None = None) -> Any:
     from tracekit.agents import GoldAgent
 
     if cfg.agent.kind == "gold":
         return GoldAgent()
-    return llm_agent(cfg, cfg.eval.temperature, adapter, moe)
+    return llm_agent(cfg, cfg.eval.temperature, adapter, moe, system_prompt_suffix)
 
 
 def cached_rollout(ctx: StageContext, policy: Any = None) -> Artifact:
@@ -153,8 +169,8 @@ def cached_rollout(ctx: StageContext, policy: Any = None) -> Artifact:
 
     def compute(work: Path) -> None:
         suite = build_suite(cfg)
-        weights = {} if policy.kind == "base" else {policy.kind: str(policy.weights.path / policy.subdir)}
-        agent = build_agent(cfg, **weights)
+        weights = {} if policy.weights is None else {policy.kind: str(policy.weights.path / policy.subdir)}
+        agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
         greedy = cfg.eval.temperature == 0
         summary = run_rollouts(
             suite, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
@@ -347,11 +363,11 @@ def synthesize_stage(ctx: StageContext) -> None:
 
 
 def llm_agent(cfg: DictConfig, temperature: float, adapter: str | None = None,
-                moe: str | None = None) -> Any:
+                moe: str | None = None, system_prompt_suffix: str | None = None) -> Any:
     from tracekit.agents import LLMAgent
 
     return LLMAgent(client_for(cfg, "agent", adapter, moe), temperature=temperature, top_p=cfg.agent.top_p,
-                    max_new_tokens=cfg.agent.max_new_tokens)
+                    max_new_tokens=cfg.agent.max_new_tokens, system_prompt_suffix=system_prompt_suffix)
 
 
 def synthesize_report(art: Artifact, ctx: StageContext) -> None:

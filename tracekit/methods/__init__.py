@@ -3,15 +3,38 @@
 ``eval.methods``, the ``method:`` of ``experiments/*.yaml`` rows, the evaluate stage's inputs and
 ``validate()`` all read :data:`METHODS`. Adding a method: one module defining a :class:`Method`
 subclass, one entry below (and a config file under ``conf/`` if it has settings).
+
+The external baselines (paper Tables 1-3, Figure 4): ``grpo_target``, ``prompt_only``, ``gepa``,
+``untargeted_synthetic`` (the runnable AWM control), ``adp_sft``; their settings are ``baselines.*``
+(``conf/baselines/paper.yaml``).
 """
 
 from __future__ import annotations
 
+from tracekit.methods.adp_sft import AdpSft
 from tracekit.methods.base import Budget, Method, Policy, PolicyRow
 from tracekit.methods.base_agent import BaseAgent
+from tracekit.methods.gepa import Gepa
+from tracekit.methods.grpo_target import GrpoTarget
+from tracekit.methods.prompt_only import PromptOnly
 from tracekit.methods.single import SingleCapability
 from tracekit.methods.trace import Trace
+from tracekit.methods.untargeted import UntargetedSynthetic
 
-METHODS: dict[str, Method] = {m.name: m for m in (BaseAgent(), SingleCapability(), Trace())}
+METHODS: dict[str, Method] = {m.name: m for m in (
+    BaseAgent(), SingleCapability(), Trace(), GrpoTarget(), PromptOnly(), Gepa(), UntargetedSynthetic(), AdpSft(),
+)}
 
-__all__ = ["METHODS", "Budget", "Method", "Policy", "PolicyRow"]
+
+def validate_methods(cfg) -> None:
+    """Each method's own refusals (one line, ``ConfigError``) for the methods a run evaluates, and for the
+    baselines the Figure 4 stage runs when it is a target."""
+    names = list(dict.fromkeys(cfg.eval.methods))
+    if "figure4" in cfg.stages:
+        names += [n for n in ("gepa", "grpo_target") if n not in names]
+    for name in names:
+        if name in METHODS:  # unknown names are refused by the choices check, with the valid list
+            METHODS[name].validate(cfg)
+
+
+__all__ = ["METHODS", "Budget", "Method", "Policy", "PolicyRow", "validate_methods"]

@@ -21,24 +21,36 @@ if TYPE_CHECKING:
 
     from tracekit.pipeline import Stage, StageContext
 
-PolicyKind = Literal["base", "adapter", "moe"]
+PolicyKind = Literal["base", "adapter", "moe", "prompt"]
+_NO_WEIGHTS = ("base", "prompt")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """The backbone, alone or with the peft adapter / LoRA-MoE saved at ``weights.path / subdir``."""
+    """The backbone, alone or with the peft adapter / LoRA-MoE saved at ``weights.path / subdir``.
+
+    ``prompt``: the backbone alone with ``system_prompt_suffix`` appended to the system prompt of every
+    episode (prompt-only and GEPA rows: no weights change). ``base`` is the untouched base agent (it reads the
+    base rollout), so a suffix makes a policy of kind ``prompt``, never ``base``.
+    """
 
     kind: PolicyKind = "base"
     weights: Artifact | None = None
     subdir: str = ""
+    system_prompt_suffix: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.kind == "base") != (self.weights is None):
-            raise ValueError(f"policy kind {self.kind!r} {'takes no' if self.kind == 'base' else 'needs'} weights")
+        if (self.kind in _NO_WEIGHTS) != (self.weights is None):
+            raise ValueError(f"policy kind {self.kind!r} {'takes no' if self.kind in _NO_WEIGHTS else 'needs'} weights")
+        if (self.kind == "prompt") != bool(self.system_prompt_suffix):
+            raise ValueError("a system_prompt_suffix makes a policy of kind 'prompt' (and kind 'prompt' needs one)")
 
     def identity(self) -> dict[str, Any]:
         """What the policy's rollout depends on (content, not location): part of its cache key."""
-        return {"kind": self.kind, "weights": self.weights.content_key if self.weights else None, "subdir": self.subdir}
+        out = {"kind": self.kind, "weights": self.weights.content_key if self.weights else None, "subdir": self.subdir}
+        if self.system_prompt_suffix is not None:  # absent otherwise: existing rollouts keep their keys
+            out["system_prompt_suffix"] = self.system_prompt_suffix
+        return out
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,9 @@ class Method(ABC):
     def reads(self, cfg: DictConfig) -> tuple[str, ...]:
         """Config values its rows depend on beyond its inputs' content (added to evaluate's key)."""
         return ()
+
+    def validate(self, cfg: DictConfig) -> None:
+        """Refuse a configuration this method cannot run on (``ConfigError``, one line) before any work."""
 
     @abstractmethod
     def rows(self, ctx: StageContext) -> list[PolicyRow]:
