@@ -4,6 +4,10 @@
     python -m tracekit stages=[rollout,evaluate]      # a chosen list of stages (+ missing inputs)
     python -m tracekit experiment=smoke               # a preset
     python -m tracekit -m thresholds.delta=0.1,0.2,0.3    # a multirun sweep
+    python -m tracekit.reproduce table1 scale=embedded    # a paper table (tracekit/reproduce/)
+
+Every run's first log line and ``summary.md`` state its preset and each value that differs from the paper's
+(:mod:`tracekit.reproduce.paper`), so a cut run never passes for a paper run.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -34,8 +39,11 @@ def describe(e: BaseException) -> str:
 
 def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException | None = None) -> None:
     """The run's Markdown summary: its status, stages (cache hits or computed) and each stage's report."""
+    from tracekit.reproduce.paper import setting_markdown
+
     status = f"failed ({describe(failure)})" if failure else "ok"
-    lines = [f"# tracekit run `{cfg.name}`", "", f"Status: {status}", "", f"Run dir: `{run_dir}`", "", "## Stages", "",
+    lines = [f"# tracekit run `{cfg.name}`", "", f"Status: {status}", "", f"Run dir: `{run_dir}`", "",
+             "## Setting relative to the paper", "", setting_markdown(cfg), "", "## Stages", "",
              "| stage | key | cache | seconds |", "|---|---|---|---|"]
     for a in record.artifacts.values():
         lines.append(f"| {a['stage']} | `{a['key']}` | {'hit' if a['cache_hit'] else 'computed'} | {a['seconds']} |")
@@ -47,8 +55,10 @@ def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException
 def run(cfg: DictConfig) -> None:
     from tracekit.pipeline import RunRecord
     from tracekit.report.logging import RunLogger
+    from tracekit.reproduce.paper import cuts, cuts_dict, setting_line
     from tracekit.stages import build_pipeline
 
+    log.info(setting_line(cfg))  # the first line: the preset, and every value that differs from the paper's
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -56,6 +66,8 @@ def run(cfg: DictConfig) -> None:
     failure = None
     try:
         record.logger = RunLogger(cfg, run_dir)
+        if record.logger.run is not None:  # a cut run's W&B config says so too
+            record.logger.run.config.update({"paper_setting": cuts_dict(cfg)}, allow_val_change=True)
         pipeline, cache = build_pipeline(), StageCache(cfg.paths.cache_dir)
         to_compute = pipeline.to_compute(cfg, list(cfg.stages), cache)  # corrupt artifacts are named here
         log.info("stages to compute: %s", ", ".join(to_compute) or "none (all cached)")
@@ -68,7 +80,9 @@ def run(cfg: DictConfig) -> None:
         write_summary(run_dir, cfg, record, failure)
         if record.logger is not None:
             record.logger.finish(1 if failure else 0)
-    log.info("summary: %s", run_dir / "summary.md")
+    n = len(cuts(cfg))
+    log.info("summary: %s (%s)", run_dir / "summary.md",
+             f"CUT: {n} values differ from the paper's, named in it" if n else "the paper's setting, no cut")
 
 
 def discard_rejected_run(run_dir: Path, root_dir: Path) -> None:
@@ -95,6 +109,19 @@ def report_failure(e: Exception) -> int:
         return 2
     print(f"tracekit: failed: {describe(e)}" + (f" (traceback: {log_file})" if log_file else ""), file=sys.stderr)
     return 1
+
+
+def task(cfg: DictConfig) -> dict[str, object]:
+    """One run of the app on a composed config, as a Hydra job of a table (``tracekit.reproduce``): validate, run,
+    and raise on failure (the traceback in the job's log file); its run dir and seconds."""
+    t0 = time.time()
+    validate(cfg)
+    try:
+        run(cfg)
+    except Exception as e:
+        log_traceback_to_file(log, f"run failed: {describe(e)}", e)
+        raise
+    return {"run_dir": str(cfg.paths.run_dir), "seconds": time.time() - t0}
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -208,6 +208,58 @@ class ConsolidationConfig:
 
 
 @dataclass
+class GrpoTargetConfig:
+    """grpo_target: the ``grpo`` recipe on the target's own training tasks with the target's reward."""
+
+    episodes: int | None = None  # training episodes; None: TRACE's per-capability GRPO episodes summed (matched)
+    train_limit: int | None = None  # tau2: first n train-split tasks per domain (None: all); synthetic: instances per env (None: one per group)
+    checkpoint_iterations: int | None = None  # a kept checkpoint every n iterations (Figure 4b); None: grpo.iterations
+
+
+@dataclass
+class GepaConfig:
+    """gepa: the ``gepa`` package's optimize loop over the capabilities block of the system prompt."""
+
+    endpoint: str = "analysis"  # the reflection LM: a key of llm.endpoints
+    max_metric_calls: int | None = None  # target training episodes GEPA may roll out; None: TRACE's episodes (matched)
+    reflection_minibatch_size: int = 3  # gepa's default
+    valset_size: int | None = None  # training tasks held out for GEPA's Pareto tracking; None: auto (see methods/gepa.py)
+    train_limit: int | None = None  # target training tasks GEPA draws from (official: 200 seeds); None: all
+    candidate_selection: str = "pareto"  # pareto | current_best | epsilon_greedy | top_k_pareto (gepa's strategies)
+    module_selector: str = "round_robin"  # round_robin (one capability description per proposal) | all
+    use_merge: bool = False
+    reflection_temperature: float = 0.7  # official TRACE GEPA run
+    reflection_max_new_tokens: int = 1024
+
+
+@dataclass
+class UntargetedConfig:
+    """untargeted_synthetic: GRPO on every library environment of the target's family, uniformly (AWM-style control)."""
+
+    episodes: int | None = None  # None: TRACE's per-capability GRPO episodes summed (matched)
+    envs_dir: str | None = None  # a folder of environment packages (<dir>/<name>/env.json) to use instead
+
+
+@dataclass
+class AdpSftConfig(SFTSettings):
+    """adp_sft: the SFT recipe on Agent Data Protocol trajectories (official: QLoRA r 16, lr 1e-5, 1 epoch)."""
+
+    data: list[str] = field(default_factory=list)  # ADP standardized JSON/JSONL paths or hf://<owner>/<dataset>/<subset>
+    max_records: int | None = None  # first n well-formed trajectories over all sources (None: all)
+    max_tokens: int = 8192  # a training row longer than this is cut to its first max_tokens tokens
+
+
+@dataclass
+class BaselinesConfig:
+    """Settings of the external baselines of paper Tables 1-3 and Figure 4 (conf/baselines/paper.yaml)."""
+
+    grpo_target: GrpoTargetConfig = field(default_factory=GrpoTargetConfig)
+    gepa: GepaConfig = field(default_factory=GepaConfig)
+    untargeted_synthetic: UntargetedConfig = field(default_factory=UntargetedConfig)
+    adp_sft: AdpSftConfig = field(default_factory=AdpSftConfig)
+
+
+@dataclass
 class EndpointConfig:
     kind: str = "hf"  # hf (the configured backbone, in process) | openai
     base_url: str | None = None
@@ -242,6 +294,18 @@ class LoggerConfig:
 
 
 @dataclass
+class ScaleConfig:
+    """The scale profile (``conf/scale/``): which backbones and budgets a run uses. ``paper``: the paper's (a GPU
+    cluster); ``embedded``: the bundled model on 2 CPU cores with budgets cut; ``none``: no profile applied (the
+    groups' and the experiment's own values). The run's first log line and summary name every value that
+    differs from the paper's (:mod:`tracekit.reproduce.paper`), whatever the profile."""
+
+    name: str = "none"
+    backbone: str | None = None  # a table's blocks all run on this backbone (None: each block's own)
+    targets: dict[str, str] = field(default_factory=dict)  # a table's target -> the benchmark it runs on here
+
+
+@dataclass
 class PathsConfig:
     root_dir: str = MISSING
     cache_dir: str = MISSING
@@ -260,12 +324,14 @@ class Config:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     consolidation: ConsolidationConfig = field(default_factory=ConsolidationConfig)
+    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     llm: LlmConfig = field(default_factory=LlmConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: LauncherSettings = field(default_factory=LauncherSettings)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment: Any = None
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
     stages: list[str] = field(default_factory=lambda: ["evaluate"])
     seed: int = 42
     name: str = "default"
@@ -318,6 +384,17 @@ RANGES: dict[str, str] = {
     "consolidation.distill.max_new_tokens": ">= 1", "consolidation.distill.max_steps": ">= 1",
     "consolidation.distill.max_prompt_tokens": ">= 256", "consolidation.distill.num_minibatches": ">= 1",
     "consolidation.distill.rollout_batch_size": ">= 1",
+    "baselines.grpo_target.episodes": ">= 1", "baselines.grpo_target.train_limit": ">= 1",
+    "baselines.grpo_target.checkpoint_iterations": ">= 1",
+    "baselines.gepa.max_metric_calls": ">= 1", "baselines.gepa.reflection_minibatch_size": ">= 1",
+    "baselines.gepa.valset_size": ">= 1", "baselines.gepa.train_limit": ">= 2",
+    "baselines.gepa.reflection_temperature": "[0, 2]", "baselines.gepa.reflection_max_new_tokens": ">= 1",
+    "baselines.untargeted_synthetic.episodes": ">= 1",
+    **{f"baselines.adp_sft.{k}": v for k, v in {
+        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
+        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
+        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)", "epochs": ">= 1", "batch_size": ">= 1",
+        "warmup_ratio": "[0, 1)", "max_records": ">= 1", "max_tokens": ">= 16"}.items()},
     "seed": ">= 0",
 }
 
@@ -344,6 +421,14 @@ def _strategy_names() -> tuple[str, ...]:
     from tracekit.methods.consolidate import STRATEGIES
 
     return tuple(STRATEGIES)
+
+
+def _scale_names() -> tuple[str, ...]:
+    return ("none", *sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "scale").glob("*.yaml")))
+
+
+def _backbone_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "backbone").glob("*.yaml")))
 
 
 def _chat_formats() -> tuple[str, ...]:
@@ -392,12 +477,23 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "consolidation.distill.save_rollouts": ("none", "messages", "full"),
     "llm.endpoints.*.kind": ("hf", "openai"),
     "eval.mode": ("greedy", "stochastic"),
+    "scale.name": _scale_names,
+    "scale.backbone": _backbone_names,
     "eval.methods": _method_names,
     "logger.kind": ("wandb", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "launcher.kind": KINDS,
     "launcher.command": ("torchrun", "deepspeed"),
     "stages": _stage_names,
+    "baselines.gepa.endpoint": r"[A-Za-z_][\w\-]*",  # a key of llm.endpoints (checked in validate())
+    "baselines.gepa.candidate_selection": ("pareto", "current_best", "epsilon_greedy", "top_k_pareto"),
+    "baselines.gepa.module_selector": ("round_robin", "all"),
+    "baselines.untargeted_synthetic.envs_dir": r".+",  # a folder of environment packages (checked in validate())
+    "baselines.adp_sft.data": r"(hf://[\w.\-]+/[\w.\-]+(/[\w.\-/]+)?|[^:]+|[A-Za-z]:.+)",  # paths or hub ids
+    "baselines.adp_sft.schedule": ("linear", "constant"),
+    "baselines.adp_sft.dtype": ("auto", "float32", "bfloat16"),
+    "baselines.adp_sft.lora.target_modules": r"[\w.\-*]+",
+    "baselines.adp_sft.lora.target_parameters": r"[\w.\-*]+",
 }
 
 _BOUND_OPS = {">": operator.gt, ">=": operator.ge}
@@ -450,7 +546,8 @@ def _leaves(node: DictConfig, schema: type, key: str = "",
             yield k, p, node, name
 
 
-ENDPOINT_KEYS = ("user.endpoint", "analysis.endpoint", "synthesis.endpoint")  # the keys naming an endpoint
+ENDPOINT_KEYS = ("user.endpoint", "analysis.endpoint", "synthesis.endpoint",
+                 "baselines.gepa.endpoint")  # the keys naming an endpoint
 
 
 def needed_endpoints(cfg: DictConfig, stage: str) -> list[str]:
@@ -552,6 +649,9 @@ def validate(cfg: DictConfig) -> None:
             _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty,
                    f"a difficulty level of {env} ({levels})")
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
+    from tracekit.methods import validate_methods
+
+    validate_methods(cfg)  # each method's own checks (a target without a training split, missing data, ...)
     for name, ep in cfg.llm.endpoints.items():
         if ep.kind == "openai":
             _check(bool(ep.base_url) and ep.base_url.startswith(("http://", "https://")),
