@@ -111,11 +111,15 @@ def test_summary_records_the_run_status(make_cfg, tmp_path):
 
 
 def test_needed_endpoints(make_cfg):
-    assert all(needed_endpoints(make_cfg(), stage) == [] for stage in _stage_names())  # offline: reference roles
+    # offline: reference roles and a scripted user; only GEPA's reflection LM is an endpoint (in process: llm=local)
+    assert {stage: needed_endpoints(make_cfg(), stage) for stage in _stage_names()} == {
+        **{stage: [] for stage in _stage_names()}, "gepa": ["analysis"], "figure4": ["analysis"]}
     cfg = make_cfg("llm=openai", "analysis=llm", "user=llm", "synthesis=generate")
     assert {stage: needed_endpoints(cfg, stage) for stage in _stage_names()} == {
         "rollout": ["user"], "discover": ["analysis"], "label": ["analysis"], "select": [],
-        "synthesize": ["generation"], "train": [], "compose": [], "evaluate": ["user"]}
+        "synthesize": ["generation"], "train": [], "compose": [], "evaluate": ["user"],
+        "grpo_target": ["user"], "gepa": ["user", "analysis"], "figure4": ["user", "analysis"],  # figure4: gepa + grpo_target
+        "untargeted_synthetic": [], "adp_sft": []}
 
 
 def _closed_port() -> int:
