@@ -65,7 +65,7 @@ from tracekit.envs.base import EnvSuite
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
 from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import LoraSettings
-from tracekit.rl.sft import (
+from tracekit.rl.components import (
     MetricsCSV,
     adamw_backend,
     check_settings,

@@ -33,37 +33,33 @@ seeding); they are meant to move to a shared components module.
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import math
-import os
 import random
-import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
-from tracekit.artifacts import atomic_write_json, atomic_write_text, iter_jsonl, read_json
+from tracekit.artifacts import iter_jsonl
 from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
-from tracekit.rl.trainer import (
-    LocalBackend,
-    _atomic_dir,
-    _rng_state,
-    _set_rng_state,
-    build_peft_model,
-    sequence_logprobs,
-    set_activation_checkpointing,
+from tracekit.rl.components import (
+    MetricsCSV,
+    adamw_backend,
+    check_settings,
+    load_checkpoint,
+    place_model,
+    save_checkpoint,
+    save_peft_adapter,
+    seed_everything,
 )
+from tracekit.rl.trainer import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
@@ -282,125 +278,3 @@ def train_sft(
         "loss_last": losses[-1] if losses else None,
     }
 
-
-# --------------------------------------------------------------------------------------------
-# Recipe components (single process) shared with tracekit.rl.distill. GRPOTrainer holds the same
-# logic as methods (save_checkpoint / resume / save_adapter / _to_csv / the seeding in train): these
-# are the reusable form, to move into a shared components module.
-
-
-def check_settings(group: str, obj: Any, checks: Sequence[tuple[bool, str, str]]) -> None:
-    """Raise the first failed check as ``<group>.<key>=<value> is invalid: must be <what>`` (one line)."""
-    for ok, key, valid in checks:
-        if not ok:
-            raise ValueError(f"{group}.{key}={getattr(obj, key)!r} is invalid: must be {valid}")
-
-
-def place_model(model: torch.nn.Module, device: str | torch.device | None, dtype: str) -> tuple[torch.nn.Module, torch.device]:
-    """Move ``model`` to ``device`` (default: cuda if available) in ``dtype`` (auto: bf16 on GPU, fp32 on CPU)."""
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    auto = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    dt = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    return model.to(device=dev, dtype=dt), dev
-
-
-def adamw_backend(
-    model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float, max_grad_norm: float
-) -> LocalBackend:
-    """The trainer's :class:`LocalBackend` (AdamW on the parameters that require grad, clipping in ``step``)."""
-    opt = SimpleNamespace(lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=max_grad_norm)
-    return LocalBackend(model, opt)  # type: ignore[arg-type]
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def adapter_state(model: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """One adapter's tensors (peft names), on CPU."""
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model, adapter_name=adapter_name).items()}
-
-
-def save_peft_adapter(model: torch.nn.Module, path: str | Path, adapter_name: str = "default") -> None:
-    """peft ``save_pretrained`` of one adapter into ``path``, atomically. ``default`` is peft's flat
-    layout (``adapter_config.json`` at ``path``); other adapters of the model are not written."""
-
-    def write(tmp: Path) -> None:
-        model.save_pretrained(str(tmp), selected_adapters=[adapter_name])
-        if adapter_name != "default":  # peft nests non-default adapters in a sub-folder: flatten
-            for p in (tmp / adapter_name).iterdir():
-                os.replace(p, tmp / p.name)
-            (tmp / adapter_name).rmdir()
-
-    _atomic_dir(Path(path), write)
-
-
-def save_checkpoint(
-    root: Path,
-    index: int,
-    model: torch.nn.Module,
-    backend: LocalBackend,
-    state: dict[str, Any],
-    keep: int,
-    adapter_name: str = "default",
-) -> None:
-    """Adapter, optimizer, RNG states and ``index`` (the last completed iteration/step) under
-    ``root/iter_<index>``, then ``root/latest.json``; only the newest ``keep`` are kept. The layout is
-    GRPOTrainer's (``latest.json``: ``{"iteration", "dir"}``)."""
-    root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"iter_{index:05d}", root / f".iter_{index:05d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_peft_adapter(model, tmp / "adapter", adapter_name)
-    atomic_write_json(tmp / "state.json", {"iteration": index, **state})
-    backend.save(tmp, 0)
-    torch.save(_rng_state(), tmp / "rng_rank0.pt")
-    shutil.rmtree(final, ignore_errors=True)  # an unreferenced leftover of a killed run
-    os.replace(tmp, final)
-    atomic_write_json(root / "latest.json", {"iteration": index, "dir": final.name})
-    for p in sorted(p for p in root.glob("iter_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def load_checkpoint(root: Path, model: torch.nn.Module, backend: LocalBackend, adapter_name: str = "default") -> int | None:
-    """Restore ``root/latest.json``'s checkpoint (adapter, optimizer, RNG); -> its index, or None if there is none."""
-    latest = root / "latest.json"
-    if not latest.exists():
-        return None
-    meta = read_json(latest)
-    d = root / meta["dir"]
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    set_peft_model_state_dict(model, load_file(str(d / "adapter" / "adapter_model.safetensors")), adapter_name=adapter_name)
-    backend.load(d, 0)
-    _set_rng_state(torch.load(d / "rng_rank0.pt", weights_only=False))
-    log.info("resumed from %s", d)
-    return int(meta["iteration"])
-
-
-class MetricsCSV:
-    """``metrics.csv`` with fixed columns, rewritten atomically after each row; on resume the rows
-    past the checkpoint (written by the killed run after its last checkpoint) are dropped."""
-
-    def __init__(self, path: Path, columns: Sequence[str], index: str = "iteration"):
-        self.path, self.columns, self.index = Path(path), list(columns), index
-        self.rows: list[dict[str, Any]] = []
-
-    def keep_through(self, last: int) -> None:
-        if self.path.exists():
-            rows = list(csv.DictReader(io.StringIO(self.path.read_text())))
-            self.rows = [r for r in rows if int(r[self.index]) <= last]
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="ignore")
-        w.writeheader()
-        for r in self.rows:
-            w.writerow({k: r.get(k, "") for k in self.columns})
-        atomic_write_text(self.path, buf.getvalue())

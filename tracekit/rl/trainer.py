@@ -45,18 +45,13 @@ right-padded rows pass no mask, so no [T, T] scores are materialized).
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import math
-import os
 import random
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,13 +60,14 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json, write_jsonl
+from tracekit.artifacts import write_jsonl
 from tracekit.envs.base import EnvSuite
 from tracekit.llm.backbones import release_memory
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.ops import token_logprobs
 from tracekit.rl import grpo
 from tracekit.rl.settings import GRPOSettings, LoraSettings
+from tracekit.rl.components import LocalBackend, MetricsCSV, atomic_dir, load_checkpoint, place_model, save_checkpoint, seed_everything
 from tracekit.rl.episodes import EpisodeSpec, run_episodes, tool_calls
 from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
@@ -303,49 +299,6 @@ def sequence_logprobs(
         return token_logprobs(h, w, targets, temperature=temperature, chunk=chunk)
 
 
-class LocalBackend:
-    """AdamW on the adapter's parameters in this process (torch's fused multi-tensor kernel when they are all
-    on CUDA: a few launches instead of a dozen per tensor group, the optimizer's host time off the step)."""
-
-    loss_scale = 1.0
-
-    def __init__(self, model: torch.nn.Module, s: GRPOSettings):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grad_clip = s.grad_clip
-        fused = bool(self.params) and all(p.is_cuda for p in self.params)
-        self.opt = torch.optim.AdamW(self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, fused=fused or None)
-
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
-        loss.backward()
-
-    def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(norm)
-
-    def save(self, d: Path, rank: int) -> None:
-        torch.save(self.opt.state_dict(), d / "optimizer.pt")
-
-    def load(self, d: Path, rank: int) -> None:
-        self.opt.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
-
-
-def _rng_state() -> dict[str, Any]:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict[str, Any]) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
 METRIC_COLUMNS = [
     "iteration", "reward_mean", "reward_std", "success_rate", "groups", "groups_dropped", "frac_groups_dropped",
     "resample_rounds", "trajectories_kept", "loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean",
@@ -391,10 +344,7 @@ class GRPOTrainer:
         self.out = Path(out_dir)
         self.dist = dist or Dist()
         self.callbacks = list(callbacks)
-        self.device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
-        model = model.to(device=self.device, dtype=dtype)
+        model, self.device = place_model(model, device, settings.dtype)
         self.model = build_peft_model(model, settings.lora, settings.seed)
         set_fused_update_kernels(causal_lm_of(self.model), settings.fused_update_kernels)
         if settings.gradient_checkpointing or settings.compile_update:
@@ -419,7 +369,7 @@ class GRPOTrainer:
         self.engine = engine_factory(self.model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.start_iteration = 0
-        self.rows_csv: list[dict[str, Any]] = []
+        self.metrics = MetricsCSV(self.out / "metrics.csv", METRIC_COLUMNS)
 
     # ---- paths -----------------------------------------------------------------------------
     @property
@@ -435,9 +385,7 @@ class GRPOTrainer:
         """Run (or resume) all iterations; return the final adapter directory (peft format)."""
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.resume():  # a fresh run seeds the global RNGs (LoRA dropout draws from torch's)
-            random.seed(self.s.seed)
-            np.random.seed(self.s.seed)
-            torch.manual_seed(self.s.seed + self.dist.rank)
+            seed_everything(self.s.seed, self.dist.rank)
         from tqdm import tqdm
 
         its = range(self.start_iteration, self.s.iterations)
@@ -445,8 +393,7 @@ class GRPOTrainer:
         for it in bar:
             metrics = self.iteration(it)
             if self.dist.rank == 0:
-                self.rows_csv.append(metrics)
-                atomic_write_text(self.out / "metrics.csv", _to_csv(self.rows_csv))
+                self.metrics.append(metrics)
             if (it + 1) % self.s.checkpoint_every == 0 or it + 1 == self.s.iterations:
                 self.save_checkpoint(it)
             if self.dist.rank == 0:
@@ -709,73 +656,20 @@ class GRPOTrainer:
         """peft ``save_pretrained`` into ``path``, atomically (rank 0 writes; all ranks wait)."""
         with self._gathered():
             if self.dist.rank == 0:
-                _atomic_dir(Path(path), lambda tmp: self.model.save_pretrained(str(tmp)))
+                atomic_dir(Path(path), lambda tmp: self.model.save_pretrained(str(tmp)))
         self.dist.barrier()
 
     def save_checkpoint(self, it: int) -> None:
-        """Adapter, optimizer, RNG states and iteration under checkpoints/iter_<it>, then ``latest.json``."""
-        final = self.ckpt_root / f"iter_{it:05d}"
-        tmp = self.ckpt_root / f".iter_{it:05d}.tmp"
-        if self.dist.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.dist.barrier()
-        with self._gathered():
-            if self.dist.rank == 0:
-                self.model.save_pretrained(str(tmp / "adapter"))
-                atomic_write_json(tmp / "state.json", {"iteration": it, "settings": asdict(self.s)})
-        self.backend.save(tmp, self.dist.rank)
-        torch.save(_rng_state(), tmp / f"rng_rank{self.dist.rank}.pt")
-        self.dist.barrier()
-        if self.dist.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)  # an unreferenced leftover of a killed run
-            os.replace(tmp, final)
-            atomic_write_json(self.ckpt_root / "latest.json", {"iteration": it, "dir": final.name})
-            old = sorted(p for p in self.ckpt_root.glob("iter_*") if p.is_dir())[: -self.s.keep_checkpoints]
-            for p in old:
-                shutil.rmtree(p, ignore_errors=True)
-        self.dist.barrier()
+        """Adapter, optimizer, RNG states and iteration under checkpoints/iter_<it>, then ``latest.json`` (all ranks)."""
+        save_checkpoint(self.ckpt_root, it, self.model, self.backend, {"settings": asdict(self.s)}, self.s.keep_checkpoints,
+                        rank=self.dist.rank, barrier=self.dist.barrier, gathered=self._gathered)
 
     def resume(self) -> bool:
-        """Continue from ``checkpoints/latest.json`` if present (adapter, optimizer, RNG, iteration)."""
-        latest = self.ckpt_root / "latest.json"
-        if not latest.exists():
+        """Continue from ``checkpoints/latest.json`` if present (adapter, optimizer, RNG, iteration, metrics rows)."""
+        last = load_checkpoint(self.ckpt_root, self.model, self.backend, rank=self.dist.rank)
+        if last is None:
             return False
-        meta = read_json(latest)
-        d = self.ckpt_root / meta["dir"]
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if not getattr(self.backend, "restores_module", False):  # DeepSpeed restores the adapter itself
-            set_peft_model_state_dict(self.model, load_file(str(d / "adapter" / "adapter_model.safetensors")))
-        self.backend.load(d, self.dist.rank)
-        _set_rng_state(torch.load(d / f"rng_rank{self.dist.rank}.pt", weights_only=False))
-        self.start_iteration = int(meta["iteration"]) + 1
-        if (self.out / "metrics.csv").exists():
-            rows = list(csv.DictReader(io.StringIO((self.out / "metrics.csv").read_text())))
-            self.rows_csv = [r for r in rows if int(r["iteration"]) <= int(meta["iteration"])]
-        log.info("resumed from %s (next iteration %d)", d, self.start_iteration)
+        self.start_iteration = last + 1
+        self.metrics.keep_through(last)
+        log.info("next iteration %d", self.start_iteration)
         return True
-
-
-def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
-    """Write a directory via a temp sibling and renames (never a half-written ``final``)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    write(tmp)
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
-def _to_csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: r.get(k, "") for k in METRIC_COLUMNS})
-    return buf.getvalue()
