@@ -44,6 +44,11 @@ q/k/v/o/gate/up/down ``nn.Linear`` the model has, plus peft ``target_parameters`
   logits) and decode steps (--lora-moe-decode batches on a 512-token cache), ms medians.
 
 Model FLOPs count active parameters (experts x k/E) and, for the LoRA on experts, k experts per token.
+The fused update variants run LoRA on fused experts as grouped GEMMs on the routed pairs
+(``tracekit.llm.moe_experts.lora_experts_forward``); ``fast_full_peft_experts`` keeps peft's expert forward
+(which materialises ``W + s B A`` per expert) for comparison. ``--lora-moe`` also times ``moe_gather``, the
+top-1 decode plan that gathers each token's factors (before issue 22's dense decode plan), and with
+``--profile`` per-op host / device time of one decode step of peft_1 and both plans.
 
 Compile time is excluded from every tokens/s: each path's untimed warm-up (``warmup_seconds``)
 holds its compilation (and, for the fast rollout, its CUDA-graph captures); compile variants of
@@ -81,7 +86,7 @@ from tracekit.llm.decoding import FastDecoder, causal_lm_of, unsupported_reason 
 from tracekit.llm.moe_experts import touched_experts_fraction  # noqa: E402
 from tracekit.rl import grpo  # noqa: E402
 from tracekit.rl.engines import sample_completions  # noqa: E402
-from tracekit.rl.fused import set_fused_update_kernels  # noqa: E402
+from tracekit.rl.fused import set_fused_experts, set_fused_update_kernels  # noqa: E402
 from tracekit.rl.tokens import Turn, collate, pack_microbatches, rows_for_trajectory  # noqa: E402
 from tracekit.rl.toy import KeywordSuite, tiny_tokenizer  # noqa: E402
 from tracekit.rl.trainer import (  # noqa: E402
@@ -119,12 +124,15 @@ TINY_PAPER = {
 }  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-# (name, path, fused update kernels, checkpointing: off | full | selective, compiled decoder layers)
+# (name, path, fused update kernels: True | "linear" (LoRA linears and RMSNorms only, the experts on peft's
+# forward: the fast path before the grouped-GEMM experts) | False, checkpointing: off | full | selective,
+# compiled decoder layers)
 UPDATE_VARIANTS = [
     ("plain", "plain", False, "off", False),
     ("plain_full", "plain", False, "full", False),
     ("fast_selective", "chunked", True, "selective", False),
     ("fast_full", "chunked", True, "full", False),
+    ("fast_full_peft_experts", "chunked", "linear", "full", False),
     ("fast_nockpt", "chunked", True, "off", False),
     ("old_chunked_full", "chunked", False, "full", False),
     ("fast_selective_compile", "chunked", True, "selective", True),
@@ -340,6 +348,17 @@ def make_decoders(tr: GRPOTrainer, args, res: dict) -> dict:
 
 
 def bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, counts: dict) -> None:
+    # the plain and module rows are transformers + peft: the experts on peft's forward, not the update's grouped path
+    lm = causal_lm_of(tr.model)
+    fused = set_fused_experts(lm, False)
+    try:
+        _bench_rollout(tr, cfg, args, res, dev, counts)
+    finally:
+        if fused:
+            set_fused_experts(lm, True)
+
+
+def _bench_rollout(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, counts: dict) -> None:
     g = torch.Generator().manual_seed(1)
     decoders = make_decoders(tr, args, res)
     res["rollout"] = []
@@ -427,7 +446,7 @@ def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, count
         if comp:
             torch._dynamo.reset()  # each compile variant compiles from scratch: its warm-up time is its own
         set_activation_checkpointing(lm, ckpt != "off", "full" if ckpt == "off" else ckpt, compile=comp)
-        set_fused_update_kernels(lm, lowp)
+        set_fused_update_kernels(lm, bool(lowp), experts=lowp is True)
 
         def step(b, path=path):
             return plain_update(tr, b) if path == "plain" else tr.update_on(b, 0)
@@ -459,7 +478,7 @@ def bench_update(tr: GRPOTrainer, cfg, args, res: dict, dev: torch.device, count
             "loss": outs[0]["loss"], "grad_norm": outs[0]["grad_norm"],
         })  # fmt: skip
         res["update"].append(row)
-        if name.startswith("fast_selective") and args.profile and dev.type == "cuda":
+        if name in args.profile_update.split(",") and args.profile and dev.type == "cuda":
             row["profile_top_kernels"] = profile_kernels(lambda: step(batch))
         if save is not None:
             save(res)  # a run cut short still leaves every finished variant on disk
@@ -488,6 +507,38 @@ def profile_kernels(fn, top: int = 15) -> list[dict]:
         {"name": e.key[:90], "ms": e.self_device_time_total / 1e3, "pct": 100 * e.self_device_time_total / total, "calls": e.count}
         for e in rows[:top]
     ] + [{"name": "TOTAL", "ms": total / 1e3, "pct": 100.0, "calls": sum(e.count for e in rows)}]
+
+
+def _decode_step(model, prompt: torch.Tensor, kw: str):
+    """A function running one greedy decode step of ``model`` on a cache prefilled with ``prompt`` (prefilled here,
+    once; each call decodes from that same cache position: a DynamicCache grows by one token per call)."""
+    import moe_overhead as mo
+
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    cache, tok = mo._cache_of(out), out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def step():
+        model(input_ids=tok, use_cache=True, **{kw: cache})
+
+    return step
+
+
+def profile_ops(fn, top: int = 25) -> dict:
+    """Ops of one call of ``fn`` by host (self CPU) time, with their device time: where an eager step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = list(prof.key_averages())
+    ev.sort(key=lambda e: -e.self_cpu_time_total)
+    rows = [{"name": e.key[:80], "cpu_ms": e.self_cpu_time_total / 1e3, "device_ms": e.self_device_time_total / 1e3, "calls": e.count}
+            for e in ev[:top]]  # fmt: skip
+    return {"cpu_ms_total": sum(e.self_cpu_time_total for e in ev) / 1e3, "device_ms_total": sum(e.self_device_time_total for e in ev) / 1e3,
+            "ops": rows}  # fmt: skip
 
 
 def arch_config(arch: str, max_len: int = 4096):
@@ -585,15 +636,34 @@ def bench_lora_moe(arch: str, args, res: dict, dev: torch.device) -> None:
         measure(base, "backbone")
         peft_1 = PeftModel.from_pretrained(base, str(dirs["cap0"])).eval()
         measure(peft_1, "peft_1")
+        dkey = next((key for key in inputs if key[0] == "decode"), None)
+        profiles = {}
+        if args.profile and dev.type == "cuda" and dkey is not None:  # host and device time per op of one decode step
+            profiles["peft_1"] = profile_ops(_decode_step(peft_1, inputs[dkey], kw))
         base = peft_1.unload()
         del peft_1
         _free(dev)
         moe = build_lora_moe(base, dirs, MoEConfig(top_k=1, gate_init_std=4.0 / math.sqrt(cfg.hidden_size), seed=0))
         measure(moe, "moe")
+        if "peft_1" in profiles:
+            profiles["moe"] = profile_ops(_decode_step(moe, inputs[dkey], kw))
+        import tracekit.moe.layer as moe_layer
+
+        keep = moe_layer.DENSE_DECODE_MIN_TOKENS
+        moe_layer.DENSE_DECODE_MIN_TOKENS = 1 << 30  # the decode plan before issue 22's fix: gathered factors per token
+        try:
+            measure(moe, "moe_gather")
+            if "peft_1" in profiles:
+                profiles["moe_gather"] = profile_ops(_decode_step(moe, inputs[dkey], kw))
+        finally:
+            moe_layer.DENSE_DECODE_MIN_TOKENS = keep
         targets = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if type(m).__name__ == "LoRAMoELinear"})
     for r in rows.values():
         r["moe/peft_1"] = r["moe"] / r["peft_1"]
+        r["moe_gather/peft_1"] = r["moe_gather"] / r["peft_1"]
         r["peft_1/backbone"] = r["peft_1"] / r["backbone"]
+    if profiles:
+        res["lora_moe_decode_profile"] = profiles
     res["lora_moe"] = {"adapters": 4, "rank": args.lora_rank, "top_k": 1, "targets": targets, "decode_steps": args.lora_moe_steps,
                        "repeats": args.lora_moe_repeats, "rows": list(rows.values())}  # fmt: skip
     del moe, base
@@ -670,7 +740,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--lora-moe-repeats", type=int, default=3)
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--logprob-chunk", type=int, default=4096)
-    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the best fast rollout and the selective updates (CUDA)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the best fast rollout and the --profile-update updates (CUDA)")
+    ap.add_argument("--profile-update", default="fast_selective,fast_selective_compile", help="update variants --profile profiles")
     ap.add_argument("--peak-n", type=int, default=8192)
     ap.add_argument("--out", default=None, help="JSON path per arch; '{arch}' is replaced")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU with small sizes")
@@ -786,12 +857,17 @@ def _print(res: dict) -> None:
     if res.get("lora_moe"):
         lm = res["lora_moe"]
         m = Table(title=f"LoRA-MoE forward ({lm['adapters']} adapters r={lm['rank']}, top-1, on {','.join(lm['targets'])}); ms, median of {lm['repeats']}")
-        for col in ("phase", "batch x seq", "backbone", "peft_1", "moe", "moe/peft_1", "peak GiB (moe)"):
+        for col in ("phase", "batch x seq", "backbone", "peft_1", "moe", "moe/peft_1", "moe_gather", "gather/peft_1", "peak GiB (moe)"):
             m.add_column(col, justify="right")
         for r in lm["rows"]:
             m.add_row(r["phase"], f"{r['batch']}x{r['seq']}", f"{r['backbone']:.1f}", f"{r['peft_1']:.1f}", f"{r['moe']:.1f}",
-                      f"{r['moe/peft_1']:.3f}x", _gib(r["moe_peak_gib"]))  # fmt: skip
+                      f"{r['moe/peft_1']:.3f}x", f"{r.get('moe_gather', float('nan')):.1f}", f"{r.get('moe_gather/peft_1', float('nan')):.3f}x",
+                      _gib(r["moe_peak_gib"]))  # fmt: skip
         c.print(m)
+    for name, p in res.get("lora_moe_decode_profile", {}).items():
+        c.print(f"{name} decode step (profiled): host self time {p['cpu_ms_total']:.1f} ms, device {p['device_ms_total']:.1f} ms")
+        for o in p["ops"][:12]:
+            c.print(f"  cpu {o['cpu_ms']:7.2f} ms  dev {o['device_ms']:7.2f} ms {o['calls']:6d}  {o['name']}")
 
 
 def plot(paths: list[str], out: str) -> None:

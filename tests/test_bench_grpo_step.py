@@ -29,6 +29,7 @@ def test_moe_adapter_targets_counts_and_roofline_bytes(tmp_path):
     tr, cfg = grpo_step.build_trainer("tiny_moe", torch.device("cpu"), str(tmp_path), lora_rank=4, microbatch_tokens=256, logprob_chunk=64)
     assert tr.s.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]  # the MoE has no gate/up/down Linear
     assert tr.s.lora.target_parameters == grpo_step.EXPERT_PARAMS
+    assert all(layer.mlp.experts._tracekit_fused for layer in tr.model.base_model.model.model.layers)  # update_on's grouped-GEMM path
     c = grpo_step.model_counts(tr.model)
     H, L, E, k, I = 64, 2, 8, 2, 32  # noqa: E741
     attn = H * 64 + 2 * H * 32 + 64 * H

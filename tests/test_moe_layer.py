@@ -236,3 +236,25 @@ def test_bank_views_follow_a_dtype_move():
     got = layers[0](x.double())
     assert got.dtype == torch.float64 and routing.views(layers[0]).A.dtype == torch.float64
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)  # the bank was built, and rounded, in float32
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 9])  # top-1 decode: fewer tokens than adapters gather, else the dense plan
+@pytest.mark.parametrize("base_slot", [False, True])
+def test_top1_decode_plans_equal_masked_dense(tokens, base_slot):
+    from tracekit.moe.layer import _DensePlan, _GatherPlan
+
+    layer, factors, scales = _bank([2, 4, 3], base_slot=base_slot)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, 6, generator=g)
+    p = torch.softmax(3 * torch.randn(tokens, layer.routing.n_slots, generator=g), -1)
+    layer.routing.spec = RoutingSpec(1, gather_max_tokens=64)
+    layer.routing.set_probs(p)
+    plan = layer.routing.plan()
+    assert isinstance(plan, _GatherPlan if tokens < 3 else _DensePlan)
+    with torch.no_grad():  # the dense plan scales in place without autograd
+        got = layer(x)
+    w = masked_topk_probs(p, 1, False)[:, 1 if base_slot else 0 :]
+    assert torch.allclose(got, _explicit(x, layer.base, factors, scales, w), rtol=1e-5, atol=1e-5)
+    xg = x.clone().requires_grad_(True)
+    layer(xg).sum().backward()  # with autograd the same plan, out of place
+    assert torch.allclose(xg.grad, torch.autograd.functional.vjp(lambda t: _explicit(t, layer.base, factors, scales, w), x, torch.ones_like(got))[1], rtol=1e-5, atol=1e-5)

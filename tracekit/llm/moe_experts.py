@@ -215,6 +215,126 @@ class FusedExperts:
         return y[inv].view(T, self.top_k, H).sum(dim=1)
 
 
+# --------------------------------------------------------------------------------------------
+# The update: the experts' LoRA through grouped GEMMs, differentiable w.r.t. the LoRA factors
+
+
+def lora_experts_reason(experts: torch.nn.Module) -> str | None:
+    """Why :func:`lora_experts_forward` cannot run this (possibly peft-wrapped) fused-experts module (None: it can)."""
+    base, wraps = _wrappers(experts)
+    gu, dn = getattr(base, "gate_up_proj", None), getattr(base, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3):
+        return f"{type(base).__name__} has no fused 3-D gate_up_proj / down_proj"
+    if getattr(base, "is_transposed", False) or getattr(base, "has_bias", False) or getattr(base, "has_gate", True) is False:
+        return "transposed, biased or gate-less expert weights"
+    if getattr(base, "has_post_expert_norm", False) or getattr(base, "_is_expert_parallel", False):
+        return "post-expert norm or expert parallelism"
+    E, two_i, H = gu.shape
+    if dn.shape != (E, H, two_i // 2):
+        return f"expert shapes gate_up {tuple(gu.shape)}, down {tuple(dn.shape)} do not fit"
+    for name, w in wraps.items():
+        if name not in ("gate_up_proj", "down_proj"):
+            return f"LoRA on experts.{name}"
+        if getattr(w, "num_experts", E) != E or not getattr(w, "_did_swap_in_out_features", True):
+            return f"LoRA on experts.{name} is not per expert in the [E, out, in] layout"
+        if getattr(w, "disable_adapters", False) or getattr(w, "merged", False):
+            return "adapters disabled or merged"
+        for a in _active(w):
+            if w.lora_bias.get(a, False) or w.use_dora.get(a, False) or a in getattr(w, "lora_variant", {}):
+                return f"LoRA variant / bias on experts.{name}"
+            if not isinstance(w.lora_dropout[a], torch.nn.Identity):
+                return f"LoRA dropout on experts.{name}"
+    return None
+
+
+class _Dispatch(torch.autograd.Function):
+    """Token rows to the sorted (token, expert) pairs: ``out[p] = h[tokens[p]]`` (tokens = perm // k).
+
+    Backward is the adjoint, each token's k pair gradients summed, gathered through the inverse permutation
+    (no atomics, deterministic), where autograd's index backward would sort and scatter-add."""
+
+    @staticmethod
+    def forward(ctx, h, tokens, inverse, k):
+        ctx.save_for_backward(tokens, inverse)
+        ctx.k = k
+        return h.index_select(0, tokens)
+
+    @staticmethod
+    def backward(ctx, g):
+        tokens, inverse = ctx.saved_tensors
+        return _Combine.apply(g, tokens, inverse, ctx.k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Sorted pairs back to tokens, summed over each token's k pairs: the adjoint of :class:`_Dispatch`."""
+
+    @staticmethod
+    def forward(ctx, y, tokens, inverse, k):
+        ctx.save_for_backward(tokens, inverse)
+        ctx.k = k
+        return y.index_select(0, inverse).view(-1, k, y.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        tokens, inverse = ctx.saved_tensors
+        return _Dispatch.apply(g, tokens, inverse, ctx.k), None, None, None
+
+
+def _lora_factors(w: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per active adapter of a peft ``ParamWrapper`` on [E, out, in] experts: (A^T [E, in, r], s B^T [E, r, out])
+    in ``dtype``, built from the trainable (float32) factors by differentiable casts and views: gradients reach
+    peft's ``lora_A`` / ``lora_B`` weights. The layout is the one :meth:`FusedExperts.refresh` reads."""
+    out = []
+    E = w.num_experts
+    for a in _active(w):
+        A, B = w.lora_A[a].weight, w.lora_B[a].weight  # [E*r, in], [out, r*E] (column j*E + e: rank j of expert e)
+        r, out_f = A.shape[0] // E, B.shape[0]
+        At = A.to(dtype).view(E, r, -1).transpose(1, 2)  # column-major [E, in, r]: a grouped-GEMM operand as is
+        sBt = (B * w.scaling[a]).to(dtype).view(out_f, r, E).permute(2, 1, 0).contiguous()  # [E, r, out]
+        out.append((At, sBt))
+    return out
+
+
+def _grouped_project(x: torch.Tensor, weight: torch.Tensor, factors, offs: torch.Tensor) -> torch.Tensor:
+    """``x`` [P, in] sorted by expert -> [P, out]: ``x W_e^T + (x A_e^T)(s B_e)^T`` per group, every product a
+    grouped GEMM (autograd: input gradients through the frozen W_e, factor gradients through the rank-r GEMMs)."""
+    out = grouped_mm(x, weight.transpose(1, 2), offs)
+    for At, sBt in factors:
+        out = out + grouped_mm(grouped_mm(x, At, offs), sBt, offs)
+    return out
+
+
+def lora_experts_forward(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A peft-wrapped fused-experts module's forward (transformers' ``experts(hidden, top_k_index, top_k_weights)``)
+    without materialising ``W + s B A``: the LoRA of each expert is applied to its routed (token, expert) pairs.
+
+    hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]. The pairs are sorted by expert once; each
+    projection is :func:`_grouped_project`; the routing weight multiplies the down projection's input
+    (``w (a W^T) = (w a) W^T``: [P, I] instead of [P, H]) and the pairs go back to their tokens by
+    :class:`_Combine`. Differentiable w.r.t. ``hidden``, the routing weights and the LoRA factors; the base
+    expert weights are read in place (frozen: no gradient). Group offsets are computed on the device (no host
+    sync); off CUDA bf16 the grouped GEMM is a loop over the non-empty groups (:func:`grouped_mm`).
+    """
+    base, wraps = _wrappers(experts)
+    k = top_k_index.shape[-1]
+    E = base.gate_up_proj.shape[0]
+    dtype = base.gate_up_proj.dtype
+    x_in = hidden.to(dtype)
+    with torch.no_grad():
+        sorted_ids, perm = torch.sort(top_k_index.reshape(-1))
+        offs = torch.searchsorted(sorted_ids, torch.arange(E, device=hidden.device), right=True).to(torch.int32)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        tokens = perm // k
+    x = _Dispatch.apply(x_in, tokens, inverse, k)  # [P, H], grouped by expert
+    gu_w, dn_w = wraps.get("gate_up_proj"), wraps.get("down_proj")
+    gu = _grouped_project(x, base.gate_up_proj, _lora_factors(gu_w, dtype) if gu_w is not None else [], offs)
+    g, u = gu.chunk(2, dim=-1)
+    a = base.act_fn(g) * u * top_k_weights.reshape(-1).to(dtype).index_select(0, perm).unsqueeze(-1)
+    y = _grouped_project(a, base.down_proj, _lora_factors(dn_w, dtype) if dn_w is not None else [], offs)
+    return _Combine.apply(y, tokens, inverse, k).to(hidden.dtype)
+
+
 def touched_experts_fraction(indices: Sequence[torch.Tensor], n_experts: int) -> float:
     """Mean fraction of experts that at least one token of a step routes to (one [T, k] index tensor per step)."""
     if not indices:

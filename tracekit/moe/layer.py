@@ -15,9 +15,16 @@ p = softmax(gate(h)), gate = Linear(d -> C). Routing modes (:class:`RoutingSpec`
   0.974, i.e. the raw probability); ``renormalize=True`` divides the kept ones by their sum.
   ``impl="grouped"`` (default) computes only the chosen experts' low-rank products, planned once per
   block on the device (no host sync):
-  - top-1 over at most ``gather_max_tokens`` tokens (decode): every token's chosen factors of all
-    the block's projections are gathered in two kernels, then each projection is two batched rank-r
-    products (shrink, expand-and-add): decode is bound by kernel launches, and this is the fewest;
+  - top-1 over C to ``gather_max_tokens`` tokens (decode at a batch of at least the adapter count): every
+    adapter on every token with the non-chosen weights zero, i.e. per projection one [T, C*r] shrink GEMM,
+    an in-place weight multiply and one expand-and-add ``addmm``. Each projection reads its bank once,
+    where gathering T copies of the chosen factors reads T/C banks' worth (16x at batch 64, 4 adapters).
+    Qwen3-30B-A3B shape, 4 adapters on q/k/v/o, decode at 64 on an H200: 75.2 vs 82.6 ms of device time
+    per profiled eager step; the eager step is host-bound and its wall time is the same within 2.5%
+    (124.1 vs 121.1 ms; ``benchmarks/results/paper_backbones_h200.md``);
+  - top-1 over fewer than C tokens (decode at batch 1): every token's chosen factors of all the block's
+    projections are gathered in two kernels, then each projection is two batched rank-r products
+    (shrink, expand-and-add);
   - otherwise (prefill, top-k): (token, slot) pairs sorted by expert; each projection gathers the
     pairs' inputs (once per input tensor: q, k and v share theirs), runs ``torch._grouped_mm`` with
     device-side group offsets (CUDA bf16, 16-byte aligned rows) or a loop over experts on contiguous
@@ -63,12 +70,12 @@ class RoutingSpec:
     renormalize: divide the kept probabilities by their sum (False = raw, as the official code).
     impl: "grouped" (run only the chosen experts; backend by device and token count) / "grouped_mm" (the
     torch._grouped_mm backend) or "masked_dense" (reference; every expert computed).
-    gather_max_tokens: "grouped" top-1 over at most this many tokens gathers each token's chosen factors
-    (decode) instead of sorting tokens into per-expert groups (prefill). None: 64 on CUDA, 16 elsewhere.
-    The gathered copy is T x r x (sum of the block's widths): it costs T/C times the bank read of the
-    sorted path and saves its launches, so it pays while launches dominate, i.e. at any decode batch in
-    eager CUDA (host-bound), and up to about 4 tokens per adapter on a CPU (tiny Qwen3, 4 adapters:
-    4 tokens 1.87 vs 2.57 ms a forward, 16 tokens 2.98 vs 2.94, 64 tokens 6.85 vs 3.31).
+    gather_max_tokens: "grouped" top-1 over at most this many tokens runs a decode plan (fewer tokens than
+    adapters: each token's chosen factors gathered; otherwise every adapter with the non-chosen weights
+    zero) instead of sorting tokens into per-expert groups (prefill). None: 64 on CUDA, 16 elsewhere.
+    The decode plans save the sorted path's launches, so they pay while launches dominate, i.e. at any
+    decode batch in eager CUDA (host-bound), and up to about 4 tokens per adapter on a CPU (tiny Qwen3,
+    4 adapters, gathered: 4 tokens 1.87 vs 2.57 ms a forward, 16 tokens 2.98 vs 2.94, 64 tokens 6.85 vs 3.31).
     """
 
     top_k: int | None = 1
@@ -84,6 +91,10 @@ class RoutingSpec:
         if self.impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
             raise ValueError(f"impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8); torch is {torch.__version__}")
 
+
+# Top-1 decode plans (at most gather_max_tokens tokens): from this many tokens on (None: the block's adapter
+# count) every adapter runs on every token with the non-chosen weights zero; fewer gather their chosen factors.
+DENSE_DECODE_MIN_TOKENS: int | None = None
 
 # Sorted pairs up to which results go back to token order by one index_add_ (host-bound regime) rather than
 # a gather and an add (one launch more, less GPU time). H200, Qwen3-1.7B shape, 4 adapters: prefill 1 x 2048
@@ -111,15 +122,19 @@ def masked_topk_probs(probs: torch.Tensor, k: int, renormalize: bool) -> torch.T
 
 class _DensePlan:
     """Weights for every adapter (base slot dropped), repeated over the rank: [T, C*r] in the activation
-    dtype, matching the row blocks of the [C*r, d] bank views. The mixture, or the masked top-k reference."""
+    dtype, matching the row blocks of the [C*r, d] bank views. The mixture, the masked top-k reference, or
+    top-1 decode over C..gather_max tokens (the non-chosen weights zero)."""
 
     def __init__(self, weights: torch.Tensor, rank: int, dtype: torch.dtype):
-        self.weights = weights.repeat_interleave(rank, dim=-1).to(dtype)
+        w = weights.to(dtype)  # [T, C] -> [T, C*r]: an expand and one copy (repeat_interleave costs more host time)
+        self.weights = w.unsqueeze(-1).expand(*w.shape, rank).reshape(*w.shape[:-1], w.shape[-1] * rank)
 
     def delta(self, proj: LoRAMoELinear, out: torch.Tensor, x: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         """Two GEMMs on the [C*r, d] views, like one LoRA of rank C*r with per-token row weights."""
         v = proj.routing.views(proj)
-        return torch.addmm(out, F.linear(x2d, v.A) * self.weights, v.Bt)
+        z = F.linear(x2d, v.A)
+        z = z * self.weights if torch.is_grad_enabled() else z.mul_(self.weights)
+        return torch.addmm(out, z, v.Bt)
 
 
 class _GroupPlan:
@@ -235,8 +250,14 @@ def make_plan(probs: torch.Tensor, routing: BlockRouting, dtype: torch.dtype):
         return _DensePlan(masked_topk_probs(probs, spec.top_k, spec.renormalize)[:, off:], routing.rank, dtype)
     k = spec.top_k
     w, slots = topk_weights(probs, k, spec.renormalize)
-    adapters = slots.reshape(-1) - off if off else slots.reshape(-1)
     gather_max = spec.gather_max_tokens if spec.gather_max_tokens is not None else (64 if probs.is_cuda else 16)
+    dense_min = routing.n_adapters if DENSE_DECODE_MIN_TOKENS is None else DENSE_DECODE_MIN_TOKENS
+    if k == 1 and spec.impl == "grouped" and dense_min <= probs.shape[0] <= gather_max:
+        # decode with at least as many tokens as adapters: T gathered factor copies would cost T/C bank reads;
+        # every adapter on every token, the others' weights zero, reads the bank once, in fewer kernels
+        dense = torch.zeros_like(probs).scatter(-1, slots, w)
+        return _DensePlan(dense[:, off:] if off else dense, routing.rank, dtype)
+    adapters = slots.reshape(-1) - off if off else slots.reshape(-1)
     if k == 1 and spec.impl == "grouped" and adapters.numel() <= gather_max:
         return _GatherPlan(routing, adapters, w.reshape(-1), dtype)
     adapters, order = torch.sort(adapters, stable=True)
