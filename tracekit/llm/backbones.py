@@ -75,6 +75,7 @@ class BackboneSpec:
     hf_id: str | None = None
     seed: int = 0
     notes: str = ""  # where the architecture numbers come from
+    planted: dict[str, Any] | None = None  # a planted warm start (tracekit.planted.warmstart), built once, cached
 
     def __post_init__(self) -> None:
         if self.source not in ("random", "gguf", "hub"):
@@ -394,6 +395,14 @@ def load_backbone(
             log.info("load_backbone: dropped %d cached in-process model(s) first (one model at a time)", dropped)
     spec = get_spec(spec)
     torch_dtype = resolve_dtype(dtype, spec.dtype, device)
+    if spec.planted:  # the base backbone after the planted warm start (SFT once, merged, cached as a folder)
+        from tracekit.planted.warmstart import planted_dir
+
+        path = planted_dir(spec, str(device), cache_dir) / "model"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer.chat_template = TEMPLATES[spec.chat_format]
+        return model.eval(), tokenizer
     if spec.source == "random":
         model = build_model_from_arch(spec, device=device, dtype=torch_dtype)
         return model, bundled_tokenizer(spec.chat_format, cache_dir)

@@ -259,6 +259,57 @@ def evaluate_ce(
     return total / count
 
 
+def split_heldout(
+    groups: Mapping[str, Sequence[GateExample]], seed: int, fraction: float = 0.2, max_per_group: int = 16
+) -> tuple[dict[str, list[GateExample]], dict[str, list[GateExample]]]:
+    """(train, held-out) per group: a fixed, seeded share of each group's examples (``fraction``, at least 1 and
+    at most ``max_per_group``; none from a group of one example) is held out of gate training, so the gate's CE
+    can be compared before and after training on the same examples, none of which it was trained on."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"held-out fraction must be in (0, 1), got {fraction}")
+    train, held = {}, {}
+    for name in sorted(groups):
+        items = list(groups[name])
+        order = list(range(len(items)))
+        random.Random(f"{seed}:{name}:gate-heldout").shuffle(order)
+        n = 0 if len(items) < 2 else min(max_per_group, max(1, round(fraction * len(items))))
+        held[name] = [items[i] for i in order[:n]]
+        train[name] = [items[i] for i in order[n:]]
+    return train, held
+
+
+@torch.no_grad()
+def routing_usage(
+    model: LoRAMoEModel,
+    examples: Iterable[GateExample | TokenRecord | Mapping[str, Any]],
+    spec: RoutingSpec | None = None,
+    batch_size: int = 8,
+    pad_id: int = 0,
+) -> dict[str, Any]:
+    """Which expert the gates pick on the examples' response tokens (``loss_mask == 1``) under routing ``spec``
+    (default: the model's current routing): per slot, the share of (token, block) pairs whose largest gate
+    probability is that slot (``mean``), the same per adapted block (``per_block``), and the tokens counted."""
+    data = as_examples(examples)
+    counts: dict[int, torch.Tensor] = {}
+    tokens = 0
+    with model.routing(spec or model.spec):
+        for s in range(0, len(data), batch_size):
+            batch = collate(data[s : s + batch_size], pad_id)
+            model(input_ids=batch["input_ids"].to(model.model.get_output_embeddings().weight.device),
+                  attention_mask=batch["attention_mask"].to(model.model.get_output_embeddings().weight.device))
+            sel = (batch["loss_mask"] * batch["attention_mask"]).reshape(-1).bool()
+            tokens += int(sel.sum())
+            for b, probs in model.gate_probs().items():
+                top = probs[sel.to(probs.device)].argmax(-1)
+                c = torch.bincount(top, minlength=len(model.slot_names)).cpu()
+                counts[b] = counts[b] + c if b in counts else c
+    if tokens == 0:
+        raise ValueError("no response tokens to route")
+    per_block = {b: {n: float(v) / tokens for n, v in zip(model.slot_names, c.tolist())} for b, c in sorted(counts.items())}
+    mean = {n: sum(pb[n] for pb in per_block.values()) / len(per_block) for n in model.slot_names}
+    return {"mean": mean, "per_block": per_block, "tokens": tokens}
+
+
 def write_log_csv(rows: Sequence[Mapping[str, float]], path: str | Path) -> None:
     """Write the per-step log rows as CSV (columns = union of keys, in first-seen order), atomically."""
     cols: list[str] = []

@@ -29,7 +29,15 @@ class LoRAMoE(Strategy):
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         from tracekit.llm.backbones import load_backbone
-        from tracekit.moe.gate import GateTrainConfig, mix_uniformly, train_gates, write_log_csv
+        from tracekit.moe.gate import (
+            GateTrainConfig,
+            evaluate_ce,
+            mix_uniformly,
+            routing_usage,
+            split_heldout,
+            train_gates,
+            write_log_csv,
+        )
         from tracekit.moe.model import MoEConfig, build_lora_moe
         from tracekit.stages import backbone_dict, device, dtype
 
@@ -39,34 +47,77 @@ class LoRAMoE(Strategy):
         if empty:
             raise RuntimeError(f"compose: no {m.gate_data} gate-training rollouts for {', '.join(empty)} "
                                "(moe.gate_data=all trains the gate on every GRPO rollout)")
-        examples = mix_uniformly(groups, seed=ctx.seed, per_group=m.trajectories_per_capability)
+        # a fixed held-out share of each capability's examples: the gate's CE before and after training is
+        # measured on the same examples, none of which it trains on
+        train_groups, held_groups = split_heldout(groups, seed=ctx.seed)
+        per_group = min(m.trajectories_per_capability, *(len(g) for g in train_groups.values()))
+        examples = mix_uniformly(train_groups, seed=ctx.seed, per_group=per_group)
+        held = [ex for cap in sorted(held_groups) for ex in held_groups[cap]]
         backbone, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
         model = build_lora_moe(backbone, {c: str(a.path / "adapter") for c, a in adapters.items()},
                                MoEConfig(top_k=m.top_k, renormalize=m.renormalize, impl=m.impl,
                                          train_top_k=m.train_top_k, include_base_slot=m.base_slot,
                                          gate_init_std=m.gate_init_std, seed=ctx.seed),
                                backbone_spec={"tracekit_backbone": backbone_dict(cfg)})
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+        def measure() -> dict[str, Any]:
+            if not held:
+                return {}
+            out: dict[str, Any] = {
+                "ce_inference": evaluate_ce(model, held, model.spec, m.batch_size, m.ce_chunk, pad),
+                "ce_training": evaluate_ce(model, held, model.training_spec, m.batch_size, m.ce_chunk, pad),
+                "usage": routing_usage(model, held, model.spec, m.batch_size, pad)["mean"],
+                "usage_by_capability": {cap: routing_usage(model, ex, model.spec, m.batch_size, pad)["mean"]
+                                        for cap, ex in sorted(held_groups.items()) if ex}}
+            return out
+
+        before = measure()
         log_rows = train_gates(model, examples, GateTrainConfig(
             lambda_lb=m.lambda_lb, lr=m.lr, weight_decay=m.weight_decay, steps=m.steps, batch_size=m.batch_size,
-            max_grad_norm=m.max_grad_norm, ce_chunk=m.ce_chunk, seed=ctx.seed,
-            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            max_grad_norm=m.max_grad_norm, ce_chunk=m.ce_chunk, seed=ctx.seed, pad_id=pad,
             gradient_checkpointing=m.gradient_checkpointing))
+        after = measure()
         write_log_csv(log_rows, ctx.work_dir / "gate_log.csv")
         for row in log_rows:
             ctx.record.logger.scalars({f"moe/{k}": v for k, v in row.items()})
         model.save(ctx.work_dir / "moe")
         atomic_write_json(ctx.work_dir / "compose.json", {
-            "capabilities": list(adapters), "examples": len(examples),
-            "first": {k: log_rows[0][k] for k in ("loss", "ce", "lb")},
-            "last": {k: log_rows[-1][k] for k in ("loss", "ce", "lb")}, "parameters": model.parameter_counts()})
+            "capabilities": list(adapters), "examples": len(examples), "steps": len(log_rows),
+            "heldout": {"examples": len(held), "per_capability": {c: len(v) for c, v in held_groups.items()},
+                        "before": before, "after": after},
+            "parameters": model.parameter_counts()})
         gate = Budget(optimizer_steps=len(log_rows))  # the gate trains on the GRPO rollouts: no new episodes
         return Consolidated("moe", "moe", adapters_budget(adapters) + gate)
 
     def report(self, art, ctx) -> None:
         super().report(art, ctx)
         c = read_json(art.path / "compose.json")
-        ctx.record.section("LoRA mixture of experts", (
-            f"{len(c['capabilities'])} experts ({', '.join(c['capabilities'])}), {c['examples']} gate examples; "
-            f"loss {c['first']['loss']:.3f} -> {c['last']['loss']:.3f} (CE {c['first']['ce']:.3f} -> "
-            f"{c['last']['ce']:.3f}, LB {c['first']['lb']:.3f} -> {c['last']['lb']:.3f}).\n\nParameters: "
-            + ", ".join(f"{k}: {v:,}" for k, v in c["parameters"].items() if isinstance(v, int))))
+        ctx.record.section("LoRA mixture of experts", moe_report(c))
+
+
+def moe_report(c: dict[str, Any]) -> str:
+    """The compose report: the gate's CE on the fixed held-out examples before and after training (inference
+    routing, top-k, and the training mixture) and the share of response tokens routed to each expert."""
+    h = c.get("heldout") or {}
+    head = (f"{len(c['capabilities'])} experts ({', '.join(c['capabilities'])}), {c['examples']} gate training "
+            f"examples, {c.get('steps', '?')} steps; {h.get('examples', 0)} held-out examples "
+            f"({', '.join(f'{k}: {v}' for k, v in (h.get('per_capability') or {}).items())}).")
+    lines = [head, ""]
+    b, a = h.get("before") or {}, h.get("after") or {}
+    if b and a:
+        lines += ["| held-out gate examples | before training | after training |", "|---|---|---|",
+                  f"| CE, inference routing (top-k) | {b['ce_inference']:.3f} | {a['ce_inference']:.3f} |",
+                  f"| CE, training mixture | {b['ce_training']:.3f} | {a['ce_training']:.3f} |"]
+        slots = list(a["usage"])
+        lines += ["", "Routing on held-out response tokens (share of token x block pairs whose top gate slot is the "
+                  "expert, mean over blocks):", "",
+                  "| examples of | " + " | ".join(slots) + " |", "|---|" + "---|" * len(slots)]
+        for when, m in (("before", b), ("after", a)):
+            lines.append(f"| all ({when}) | " + " | ".join(f"{m['usage'][s]:.2f}" for s in slots) + " |")
+        for cap, u in a.get("usage_by_capability", {}).items():
+            lines.append(f"| {cap} (after) | " + " | ".join(f"{u[s]:.2f}" for s in slots) + " |")
+    else:
+        lines.append("No held-out gate examples (every capability had a single rollout): no CE before/after.")
+    lines += ["", "Parameters: " + ", ".join(f"{k}: {v:,}" for k, v in c["parameters"].items() if isinstance(v, int))]
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""The measured gain on the planted testbed (issue 21): Base / best Single-capability GRPO / TRACE on the held-out
+target tasks, with 95% intervals, the per-capability GRPO learning curves and the gate report.
+
+Each variant (``--variant "grpo.lr=5e-5 grpo.iterations=20"``; none: the preset as it is) is one run of the app
+(``python -m tracekit experiment=planted <overrides> <variant>``, every stage cached and shared: variants that
+differ only in GRPO settings share the warm start, the base rollout and the analysis). Written to ``--out``:
+
+- ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
+  95% half-width (evaluate.py's interval: seeds are the replicates), the pooled Wilson 95% interval over every
+  (task, seed) episode, per-environment means, the training budget, and whether TRACE's and Base's intervals
+  overlap;
+- ``planted_curves.png`` / ``.csv``: reward and informative-group rate per GRPO iteration, per capability and
+  variant;
+- ``planted_gate.md``: the compose report (CE on held-out gate examples before/after, routing usage);
+- ``planted.json``: the warm start's record (planted set, demonstrations, seed).
+
+    python -m tracekit.planted.gain --out benchmarks/results/planted experiment=planted
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger(__name__)
+
+
+def wilson(solved: int, total: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% by default)."""
+    if total <= 0:
+        raise ValueError("no episodes")
+    p = solved / total
+    den = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / den
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / den
+    return centre - half, centre + half
+
+
+def row_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """One results.json row as the gain table's numbers."""
+    ov = r["overall"]
+    st = r.get("stochastic") or {}
+    per_seed = st.get("overall", {}).get("per_run")
+    mean = st.get("overall", {}).get("mean", ov["pass_rate"])
+    half = st.get("overall", {}).get("ci")
+    lo, hi = wilson(ov["solved"], ov["total"])
+    return {"per_seed": per_seed, "mean": mean, "t_ci": half,
+            "t_interval": None if half is None else [mean - half, mean + half],
+            "solved": ov["solved"], "episodes": ov["total"], "wilson": [lo, hi],
+            "domains": {env: (st.get(env) or {}).get("mean", d["pass_rate"]) for env, d in r["domains"].items()},
+            "domain_ci": {env: (st.get(env) or {}).get("ci") for env in r["domains"]},
+            "budget": r.get("budget", {}), "method": r.get("method")}
+
+
+def overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
+    if a is None or b is None:
+        return None
+    return not (a[1] < b[0] or b[1] < a[0])
+
+
+def run_variant(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """Run the app to ``evaluate`` on the composed overrides; the run's results, artifacts and seconds."""
+    from tracekit.cli import task
+    from tracekit.planted.score import _compose
+
+    cfg = _compose([*overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_dir.resolve()}"])
+    t0 = time.time()
+    task(cfg)
+    arts = read_json(run_dir / "artifacts.json")
+    return {"cfg": cfg, "results": read_json(run_dir / "results.json"), "artifacts": arts,
+            "seconds": round(time.time() - t0, 1), "run_dir": str(run_dir)}
+
+
+def _of(arts: dict[str, Any], stage: str) -> Path | None:
+    found = [a for a in arts.values() if a["stage"] == stage]
+    return Path(found[-1]["path"]) if found else None
+
+
+def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+    from tracekit.methods.consolidate.moe import moe_report
+    from tracekit.planted.curves import adapter_curves, write_curves
+
+    out.mkdir(parents=True, exist_ok=True)
+    table: dict[str, Any] = {}
+    curves: dict[str, Any] = {}
+    gate_md = []
+    for name, v in variants.items():
+        rows = {label: row_summary(r) for label, r in v["results"].items()}
+        base = next((s for s in rows.values() if s["method"] == "base"), None)
+        trace = next((s for s in rows.values() if s["method"] == "trace"), None)
+        verdict = None
+        if base and trace:
+            verdict = {"t_overlap": overlap(base["t_interval"], trace["t_interval"]),
+                       "wilson_overlap": overlap(base["wilson"], trace["wilson"]),
+                       "gain": trace["mean"] - base["mean"]}
+        table[name] = {"rows": rows, "verdict": verdict, "seconds": v["seconds"], "run_dir": v["run_dir"]}
+        train = _of(v["artifacts"], "train")
+        if train is not None:
+            refs = read_json(train / "adapters.json")
+            dirs = {cap: train.parent.parent / ref["stage"] / ref["key"] for cap, ref in refs.items()}
+            for cap, rows_ in adapter_curves(dirs).items():
+                curves[f"{cap}" if len(variants) == 1 else f"{cap} [{name}]"] = rows_
+        compose = _of(v["artifacts"], "compose")
+        if compose is not None and (compose / "compose.json").is_file():
+            c = read_json(compose / "compose.json")
+            if "heldout" in c:
+                gate_md += [f"## {name}", "", moe_report(c), ""]
+    first = next(iter(variants.values()))
+    cfg = first["cfg"]
+    from tracekit.planted.warmstart import PlantedSpec, planted_record
+
+    spec = PlantedSpec.from_config(cfg.backbone.planted)
+    from tracekit.stages import backbone_dict
+
+    rec = planted_record(backbone_dict(cfg)) if cfg.backbone.get("planted") else None
+    if rec is not None:
+        atomic_write_json(out / "planted.json", rec)
+    md = ["# TRACE's gain on the planted testbed", "",
+          f"Backbone: {cfg.backbone.name} after the planted warm start (strong: {', '.join(spec.strong)}; planted "
+          f"gaps: {', '.join(spec.weak)}; {spec.demos_strong} / {spec.demos_weak} demonstrations per environment, "
+          f"seed {spec.seed}). Target: {cfg.benchmark.name}, {cfg.benchmark.limit} held-out instances of each of "
+          f"{', '.join(cfg.benchmark.envs)} (difficulty {cfg.benchmark.difficulty}; seeds from 10,000,000). "
+          f"Decoding: T={cfg.eval.temperature}, seeds {list(cfg.eval.seeds)}, at most {cfg.eval.max_steps} steps.", "",
+          "Intervals: t = Student-t 95% on the per-seed overall pass rates (mean +- t_{0.975,n-1} sd/sqrt(n)); "
+          "Wilson = 95% score interval on all (task, seed) episodes pooled (treats episodes as independent).", ""]
+    for name, t in table.items():
+        md += [f"## {name} ({t['seconds']:.0f} s)", "",
+               "| approach | overall mean (%) | t 95% CI | per seed (%) | Wilson 95% (%) | "
+               + " | ".join(e.removeprefix("tau2_") for e in next(iter(t["rows"].values()))["domains"])
+               + " | episodes | gen. tokens | opt. steps |",
+               "|---|---|---|---|---|" + "---|" * len(next(iter(t["rows"].values()))["domains"]) + "---|---|---|"]
+        for label, s in t["rows"].items():
+            ci = "n/a" if s["t_ci"] is None else f"± {100 * s['t_ci']:.1f}"
+            seeds = "n/a" if s["per_seed"] is None else " / ".join(f"{100 * p:.1f}" for p in s["per_seed"])
+            b = s["budget"]
+            md.append(f"| {label} | {100 * s['mean']:.1f} | {ci} | {seeds} | {100 * s['wilson'][0]:.1f}-"
+                      f"{100 * s['wilson'][1]:.1f} | " + " | ".join(f"{100 * x:.1f}" for x in s["domains"].values())
+                      + f" | {b.get('episodes', 0)} | {b.get('generated_tokens', 0)} | {b.get('optimizer_steps', 0)} |")
+        v = t["verdict"]
+        if v is not None:
+            said = {True: "overlap", False: "do not overlap", None: "n/a"}
+            md += ["", f"TRACE - Base: {100 * v['gain']:+.1f} points; t intervals {said[v['t_overlap']]}; "
+                   f"Wilson intervals {said[v['wilson_overlap']]}."]
+        md.append("")
+    atomic_write_text(out / "planted_gain.md", "\n".join(md) + "\n")
+    atomic_write_json(out / "planted_gain.json", table, sort_keys=False)
+    if curves:
+        write_curves(curves, out / "planted_curves.png", out / "planted_curves.csv",
+                     title="per-capability GRPO on the planted agent")
+    if gate_md:
+        atomic_write_text(out / "planted_gate.md", "# Gate report (compose)\n\n" + "\n".join(gate_md))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tracekit.planted.gain", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("outputs/planted"))
+    p.add_argument("--variant", action="append", default=[], help="extra overrides of one variant (repeatable)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=planted)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    from tracekit.config import ConfigError
+
+    variants = {}
+    try:
+        for i, v in enumerate(a.variant or [""]):
+            name = v or "preset"
+            variants[name] = run_variant([*a.overrides, *shlex.split(v)], a.out / "runs" / f"variant{i}")
+            report(variants, a.out)  # after every variant: a killed search keeps what it measured
+    except ConfigError as e:
+        print(f"tracekit.planted.gain: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print((a.out / "planted_gain.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

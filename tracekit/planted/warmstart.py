@@ -1,0 +1,282 @@
+"""The planted warm start: a base agent with known strengths and gaps (issue 21).
+
+``backbone.planted`` names *strong* capabilities (SFT on ``demos_strong`` ground-truth demonstrations of each
+one's library environment) and *weak* ones, the **planted set** (``demos_weak`` demonstrations each: few or
+none). The demonstrations are the library environments' own solvers replayed through the episode core
+(:func:`gold_episode`): the instance's ground-truth calls, one per assistant turn, with the call ids the chat
+client gives, then the report the environment's communicate check expects, answered by the scripted user; each
+is kept only when the environment's verifier scores it a success. Each assistant turn becomes an exact token row
+(``methods.adp_data.assistant_turns``: the prompt as the chat template renders it, the assistant's tokens masked
+in), the SFT recipe (:mod:`tracekit.rl.sft`) trains one LoRA adapter on them, and the adapter is merged into the
+weights: the result is a plain backbone folder, cached once per (planted spec, base backbone) under
+``<cache_root>/planted/<key>/`` with its record:
+
+- ``planted.json``: the spec (strong, weak, counts, difficulty, seed, SFT settings), the base backbone, the
+  demonstration seeds of each environment and how many succeeded, the rows and tokens trained, the SFT losses;
+- ``demos.jsonl``: every demonstration (environment, seed, messages);
+- ``sft/metrics.csv``: the SFT run's per-step log; ``model/``: the merged backbone and its tokenizer.
+
+Seeds: demonstrations draw instances from ``DEMO_SEED_OFFSET + seed * 1,000,000`` on, disjoint from validation
+(0..n), GRPO training (``stages.TRAIN_SEED_OFFSET`` = 100,000 on) and the held-out target
+(``library_target.TARGET_SEED_OFFSET`` = 10,000,000 on). The SFT seed is ``seed`` too.
+
+The folder's key does not hold the device: SFT on a GPU (bf16 matmuls) and on a CPU give slightly different
+weights, as every training stage does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracekit.types import stable_hash
+
+log = logging.getLogger(__name__)
+
+PLANTED_VERSION = 1
+DEMO_SEED_OFFSET = 50_000_000
+DEMO_SEED_STRIDE = 1_000_000  # per warm-start seed
+FAMILY = "tau2"  # the library environments the testbed plants deficits in (the tau^2-shaped ones)
+
+
+def library_capabilities(family: str = FAMILY) -> dict[str, str]:
+    """{capability: library environment} of the built-in environments of ``family`` (no import of the envs)."""
+    from tracekit.synthesis.library import LIBRARY_NAMES
+
+    prefix = f"{family}_"
+    return {n[len(prefix):]: n for n in LIBRARY_NAMES if n.startswith(prefix)}
+
+
+@dataclass
+class WarmStartSFT:
+    """The warm start's SFT settings (:class:`tracekit.rl.sft.SFTSettings` subset)."""
+
+    lr: float = 2e-4
+    epochs: int = 2
+    batch_size: int = 8
+    rank: int = 16
+    alpha: int = 32
+    microbatch_tokens: int = 16384
+    max_tokens: int = 6144  # a demonstration row longer than this keeps its first max_tokens tokens
+
+
+@dataclass
+class PlantedSpec:
+    """``backbone.planted``: which capabilities the warm start demonstrates, and how much."""
+
+    strong: list[str]
+    weak: list[str]
+    demos_strong: int = 48
+    demos_weak: int = 0
+    difficulty: int = 0
+    seed: int = 0
+    family: str = FAMILY
+    sft: WarmStartSFT = field(default_factory=WarmStartSFT)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sft, dict):
+            self.sft = WarmStartSFT(**self.sft)
+        self.strong, self.weak = list(self.strong), list(self.weak)
+        known = library_capabilities(self.family)
+        if not known:
+            raise ValueError(f"backbone.planted.family={self.family!r}: no library environments of that family")
+        for group in ("strong", "weak"):
+            for cap in getattr(self, group):
+                if cap not in known:
+                    raise ValueError(f"backbone.planted.{group}: the library has no environment for capability "
+                                     f"{cap!r} (library capabilities on {self.family}: {', '.join(sorted(known))})")
+        if not self.weak:
+            raise ValueError("backbone.planted.weak is empty: the planted set needs at least one capability")
+        both = sorted(set(self.strong) & set(self.weak))
+        if both:
+            raise ValueError(f"backbone.planted: {both} both strong and weak")
+        if len(set(self.strong)) != len(self.strong) or len(set(self.weak)) != len(self.weak):
+            raise ValueError("backbone.planted: a capability is listed twice")
+        if self.demos_strong < 1 or self.demos_weak < 0:
+            raise ValueError(f"backbone.planted: demos_strong must be >= 1 and demos_weak >= 0, got "
+                             f"{self.demos_strong}, {self.demos_weak}")
+        if self.sft.lr <= 0 or self.sft.epochs < 1 or self.sft.batch_size < 1 or self.sft.rank < 1:
+            raise ValueError(f"backbone.planted.sft: {asdict(self.sft)} is invalid (lr > 0, epochs, batch_size, "
+                             "rank >= 1)")
+
+    @classmethod
+    def from_config(cls, planted: Any) -> PlantedSpec:
+        from omegaconf import OmegaConf
+
+        data = OmegaConf.to_container(planted, resolve=True) if OmegaConf.is_config(planted) else dict(planted)
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"backbone.planted: unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+    @property
+    def planted_set(self) -> list[str]:
+        """The capabilities the agent was made to lack: what the analysis should select."""
+        return list(self.weak)
+
+    def envs(self) -> dict[str, str]:
+        known = library_capabilities(self.family)
+        return {c: known[c] for c in [*self.strong, *self.weak]}
+
+    def demo_counts(self) -> dict[str, int]:
+        return {**{c: self.demos_strong for c in self.strong}, **{c: self.demos_weak for c in self.weak}}
+
+    def demo_seeds(self, n: int) -> range:
+        start = DEMO_SEED_OFFSET + self.seed * DEMO_SEED_STRIDE
+        return range(start, start + n)
+
+
+# ------------------------------------------------------------------------------------------ demonstrations
+
+
+def gold_episode(suite: Any, task: Any) -> tuple[list[Any], list[dict[str, Any]], Any]:
+    """Replay ``task``'s ground-truth calls in ``suite`` (a LibraryTargetSuite), then report its expected
+    outputs: (messages, tools, outcome). Call ids are the ones the chat client assigns
+    (``llm.tools.tool_call_id``), so the demonstration renders as the agent's own turns would."""
+    from tracekit.agents import GoldAgent
+    from tracekit.llm.tools import tool_call_id
+    from tracekit.types import Message, ToolCall
+
+    ep = suite.episode(task, 0)
+    obs = ep.reset()
+    messages = list(obs.messages)
+    done = False
+    for a in task.data["actions"]:
+        call = ToolCall(id=tool_call_id(len(messages), 0), name=a["name"], arguments=dict(a["arguments"]))
+        msg = Message(role="assistant", tool_calls=[call])
+        r = ep.step(msg)
+        messages += [msg, *r.messages]
+        if r.done:
+            done = True
+            break
+    if not done:
+        msg = Message(role="assistant", content=GoldAgent().final_message(task))
+        r = ep.step(msg)
+        messages += [msg, *r.messages]
+    return messages, list(obs.tools or []), ep.outcome()
+
+
+def demonstrations(spec: PlantedSpec, tokenizer: Any) -> tuple[list[tuple[list[int], list[int]]], list[dict[str, Any]],
+                                                                dict[str, Any]]:
+    """The warm start's SFT rows, the demonstrations (for ``demos.jsonl``) and a per-environment record."""
+    from tracekit.methods.adp_data import assistant_turns
+    from tracekit.rl.tokens import build_rows
+    from tracekit.synthesis.library_target import LibraryTargetSuite
+
+    rows: list[tuple[list[int], list[int]]] = []
+    demos: list[dict[str, Any]] = []
+    record: dict[str, Any] = {}
+    envs = spec.envs()
+    for cap, n in spec.demo_counts().items():
+        seeds = spec.demo_seeds(n)
+        rec = {"env": envs[cap], "seeds": [seeds.start, seeds.stop] if n else [], "requested": n, "succeeded": 0,
+               "failed": 0, "rows": 0, "truncated_rows": 0, "assistant_tokens": 0}
+        record[cap] = rec
+        if n == 0:
+            continue
+        suite = LibraryTargetSuite("planted-demos", [envs[cap]], difficulty=spec.difficulty, n_per_env=n,
+                                   seed_offset=seeds.start, user="scripted")
+        try:
+            for task in suite.tasks():
+                messages, tools, outcome = gold_episode(suite, task)
+                if not outcome.success:  # a solver replay the verifier rejects is no demonstration
+                    rec["failed"] += 1
+                    continue
+                rec["succeeded"] += 1
+                for r in build_rows(assistant_turns(messages, tools, tokenizer)):
+                    ids, mask = list(r.token_ids), list(r.loss_mask)
+                    if len(ids) > spec.sft.max_tokens:
+                        ids, mask = ids[: spec.sft.max_tokens], mask[: spec.sft.max_tokens]
+                        rec["truncated_rows"] += 1
+                    if any(mask):
+                        rows.append((ids, mask))
+                        rec["rows"] += 1
+                        rec["assistant_tokens"] += sum(mask)
+                demos.append({"capability": cap, "env": envs[cap], "task": task.id,
+                              "messages": [m.model_dump(mode="json", exclude_none=True) for m in messages]})
+        finally:
+            suite.close()
+    if not rows:
+        raise ValueError(f"backbone.planted: no demonstration succeeded ({record})")
+    return rows, demos, record
+
+
+# ------------------------------------------------------------------------------------------ the folder
+
+
+def base_identity(base: Any) -> dict[str, Any]:
+    """What the warm start starts from: the base spec's identity (plus the bundled file's key for gguf)."""
+    ident = {k: getattr(base, k) for k in ("name", "source", "hf_id", "chat_format", "arch", "seed")}
+    if base.source == "gguf":
+        from tracekit.llm.backbones import _gguf_key
+
+        ident["gguf"] = _gguf_key("smollm2_135m")
+    return ident
+
+
+def planted_key(spec: PlantedSpec, base: Any) -> str:
+    return stable_hash({"planted": asdict(spec), "base": base_identity(base), "version": PLANTED_VERSION}, length=16)
+
+
+def planted_dir(backbone: Any, device: str = "cpu", cache_dir: str | Path | None = None) -> Path:
+    """The planted backbone folder of ``backbone`` (a BackboneSpec with ``planted`` set), built once."""
+    from tracekit.llm.backbones import cache_root, cached_folder
+
+    spec = PlantedSpec.from_config(backbone.planted)
+    base = dataclasses.replace(backbone, planted=None)
+    final = cache_root(cache_dir) / "planted" / f"{backbone.name}-{planted_key(spec, base)}"
+    return cached_folder(final, lambda tmp: build_planted(spec, base, tmp, device, cache_dir))
+
+
+def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
+                  cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """SFT ``base`` on the demonstrations, merge, and write the folder (see the module docstring)."""
+    import torch
+    from peft import PeftModel
+
+    from tracekit.artifacts import atomic_write_json, write_jsonl
+    from tracekit.llm.backbones import load_backbone
+    from tracekit.rl.settings import LoraSettings
+    from tracekit.rl.sft import SFTSettings, train_sft
+
+    t0 = time.time()
+    model, tokenizer = load_backbone(base, device, "float32", cache_dir)
+    rows, demos, record = demonstrations(spec, tokenizer)
+    log.info("planted warm start: %d rows from %d demonstrations (%s)", len(rows), len(demos),
+             ", ".join(f"{c}: {r['succeeded']}" for c, r in record.items()))
+    s = spec.sft
+    settings = SFTSettings(lr=s.lr, epochs=s.epochs, batch_size=s.batch_size, microbatch_tokens=s.microbatch_tokens,
+                           dtype="float32", seed=spec.seed, lora=LoraSettings(rank=s.rank, alpha=s.alpha),
+                           checkpoint_every=10**9)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    summary = train_sft(model, pad, rows, settings, out / "sft", device=device)
+    del model
+    merged, _ = load_backbone(base, "cpu", "float32", cache_dir)
+    merged = PeftModel.from_pretrained(merged, summary["adapter"]).merge_and_unload()
+    merged.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+    import shutil
+
+    shutil.rmtree(out / "sft" / "checkpoints", ignore_errors=True)  # the adapter and metrics stay
+    write_jsonl(out / "demos.jsonl", demos)
+    info = {"planted_set": spec.planted_set, "spec": asdict(spec), "base": base_identity(base),
+            "demonstrations": record, "rows": len(rows), "sft": {k: v for k, v in summary.items() if k != "adapter"},
+            "device": str(device), "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
+    atomic_write_json(out / "planted.json", info)
+    return {"planted_set": spec.planted_set, "seconds": info["seconds"]}
+
+
+def planted_record(backbone: Any, cache_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """``planted.json`` of an already built planted backbone, None when it is not built (nothing is trained)."""
+    from tracekit.artifacts import read_json
+    from tracekit.llm.backbones import cache_root, get_spec
+
+    backbone = get_spec(backbone)
+    spec = PlantedSpec.from_config(backbone.planted)
+    base = dataclasses.replace(backbone, planted=None)
+    path = cache_root(cache_dir) / "planted" / f"{backbone.name}-{planted_key(spec, base)}" / "planted.json"
+    return read_json(path) if path.is_file() else None
