@@ -279,9 +279,11 @@ def wandb_rows(results: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], lis
     return columns, rows
 
 
-def write_results(run_dir: str | Path, results: Mapping[str, Mapping[str, Any]]) -> tuple[Path, Path]:
-    """Write ``results.json`` (approach -> summary) and ``results.md`` (the pass-rate table) atomically."""
+def write_results(run_dir: str | Path, results: Mapping[str, Mapping[str, Any]],
+                  table: str | None = None) -> tuple[Path, Path]:
+    """Write ``results.json`` (approach -> summary) and ``results.md`` (``table``, by default the pass-rate table)
+    atomically."""
     run_dir = Path(run_dir)
     atomic_write_json(run_dir / RESULTS, dict(results), sort_keys=False)  # rows in table order
-    atomic_write_text(run_dir / TABLE, markdown_table(results))
+    atomic_write_text(run_dir / TABLE, markdown_table(results) if table is None else table)
     return run_dir / RESULTS, run_dir / TABLE

@@ -390,31 +390,24 @@ def reference_labels(traj: Trajectory, spec: GoldSpec) -> dict[str, tuple[LabelV
 # ---------------------------------------------------------------- the labeler
 
 
-class ReferenceLabeler:
-    """Labels the tau^2 reference dictionary with :func:`reference_labels` (+ optional seeded noise)."""
+class RuleLabeler:
+    """A labeler from per-trajectory rules (a target's reference labeler): :meth:`rules` gives each trajectory's
+    ``{capability: (value, rationale)}``, or None when there is nothing to judge it by (:attr:`unjudged` says why:
+    its labels are recorded missing and counted). Every run gives the same labels unless ``noise`` > 0, which flips
+    an applicable label with that probability, seeded by (seed, run, trajectory, capability)."""
 
     name = "reference"
+    capabilities: tuple[str, ...] = ()  # the dictionary entries it has rules for
+    dictionary_path: Path  # the pinned dictionary (named in the refusal of any other entry)
+    unjudged = "nothing to judge the trajectory by"
 
-    def __init__(self, gold: Mapping[tuple[str, str], GoldSpec] | None = None, noise: float = 0.0):
+    def __init__(self, noise: float = 0.0):
         if not 0.0 <= noise <= 0.5:
             raise ValueError(f"reference labeler noise must be in [0, 0.5], got {noise}")
-        self._gold: dict[tuple[str, str], GoldSpec] = dict(gold or {})
-        self._loaded: set[str] = {d for d, _ in self._gold}
         self.noise = noise
 
-    def spec(self, traj: Trajectory) -> GoldSpec | None:
-        """The gold spec of a trajectory's task (loading its domain from tau2 on first use); a trajectory of a
-        built-in tau^2 synthetic environment (a ``benchmark.kind=synthetic`` target) gets its instance's."""
-        if traj.env in _library_tau2_envs():  # one instance per (env, difficulty, seed), built once
-            key = (traj.env, f"seed-{traj.info['seed']}@{traj.info['difficulty']}")
-            if key not in self._gold:
-                self._gold[key] = library_gold(traj.env, int(traj.info["difficulty"]), int(traj.info["seed"]))
-            return self._gold[key]
-        domain, task = trajectory_task(traj)
-        if domain not in self._loaded:
-            self._gold.update(tau2_gold([domain]))
-            self._loaded.add(domain)
-        return self._gold.get((domain, task))
+    def rules(self, traj: Trajectory) -> dict[str, tuple[LabelValue, str]] | None:
+        raise NotImplementedError(f"{type(self).__name__} gives no labeling rules")
 
     def _noisy(self, value: LabelValue, seed: int, run: int, uid: str, cap: str) -> LabelValue:
         if self.noise == 0.0 or value == LabelValue.NA:
@@ -431,34 +424,61 @@ class ReferenceLabeler:
         seed: int,
         work_dir: Path,
     ) -> LabelingResult:
-        """Labels for every run (identical across runs unless ``noise`` > 0). ``work_dir`` is unused: no cache needed."""
-        ours = {SDR, TCP, MSC, PV}
-        unknown = [c.name for c in dictionary if c.name not in ours]
+        """Labels for every run. ``work_dir`` is unused: rules need no cache."""
+        unknown = [c.name for c in dictionary if c.name not in self.capabilities]
         if unknown:
             raise ValueError(
-                f"reference labeler has rules only for {sorted(ours)}; dictionary also has {unknown} "
-                f"(pin {REFERENCE_DICTIONARY_PATH.name})"
+                f"{type(self).__name__} has rules only for {sorted(self.capabilities)}; dictionary also has {unknown} "
+                f"(pin {self.dictionary_path.name})"
             )
-        base: dict[str, dict[str, tuple[LabelValue, str]] | None] = {}
-        for t in trajectories:
-            spec = self.spec(t)
-            base[t.uid] = reference_labels(t, spec) if spec is not None else None
-        no_gold = sorted(uid for uid, v in base.items() if v is None)
+        base = {t.uid: self.rules(t) for t in trajectories}
+        unjudged = sorted(uid for uid, v in base.items() if v is None)
         labels = []
         for r in runs:
             for t in trajectories:
                 got = base[t.uid]
                 for c in dictionary:
                     if got is None:
-                        value, why = None, "no gold actions known for this task"
+                        value, why = None, self.unjudged
                     else:
                         value, why = self._noisy(got[c.name][0], seed, r, t.uid, c.name), got[c.name][1]
                     labels.append(Label(trajectory=t.uid, capability=c.name, run=r, value=value, rationale=why, success=t.success))
         report = labeling_report(labels, dictionary)
-        report.update(labeler=self.name, noise=self.noise, trajectories_without_gold=no_gold)
-        if no_gold:
-            log.warning("reference labeler: %d trajectories have no gold spec (labels missing)", len(no_gold))
+        report.update(labeler=self.name, noise=self.noise, trajectories_without_gold=unjudged)
+        if unjudged:
+            log.warning("%s: %d trajectories without labels (%s)", type(self).__name__, len(unjudged), self.unjudged)
         return LabelingResult(labels, report)
+
+
+class ReferenceLabeler(RuleLabeler):
+    """Labels the tau^2 reference dictionary with :func:`reference_labels` against each task's gold actions."""
+
+    capabilities = (SDR, TCP, MSC, PV)
+    dictionary_path = REFERENCE_DICTIONARY_PATH
+    unjudged = "no gold actions known for this task"
+
+    def __init__(self, gold: Mapping[tuple[str, str], GoldSpec] | None = None, noise: float = 0.0):
+        super().__init__(noise)
+        self._gold: dict[tuple[str, str], GoldSpec] = dict(gold or {})
+        self._loaded: set[str] = {d for d, _ in self._gold}
+
+    def spec(self, traj: Trajectory) -> GoldSpec | None:
+        """The gold spec of a trajectory's task (loading its domain from tau2 on first use); a trajectory of a
+        built-in tau^2 synthetic environment (a ``benchmark.kind=synthetic`` target) gets its instance's."""
+        if traj.env in _library_tau2_envs():  # one instance per (env, difficulty, seed), built once
+            key = (traj.env, f"seed-{traj.info['seed']}@{traj.info['difficulty']}")
+            if key not in self._gold:
+                self._gold[key] = library_gold(traj.env, int(traj.info["difficulty"]), int(traj.info["seed"]))
+            return self._gold[key]
+        domain, task = trajectory_task(traj)
+        if domain not in self._loaded:
+            self._gold.update(tau2_gold([domain]))
+            self._loaded.add(domain)
+        return self._gold.get((domain, task))
+
+    def rules(self, traj: Trajectory) -> dict[str, tuple[LabelValue, str]] | None:
+        spec = self.spec(traj)
+        return reference_labels(traj, spec) if spec is not None else None
 
 
 # ---------------------------------------------------------------- agreement

@@ -27,7 +27,8 @@ PAPER_BACKBONES = ("qwen3_30b_a3b", "qwen3_6_27b")  # Qwen3-30B-A3B-Instruct-250
 PAPER_TARGETS: dict[str, tuple[str, Callable[[DictConfig], bool]]] = {
     "tau2": ("tau^2-Bench airline + retail, base split: 164 tasks (50 + 114)",
              lambda b: b.kind == "tau2" and sorted(b.domains) == ["airline", "retail"] and b.split == "base"),
-    "toolsandbox": ("ToolSandbox: 129 base scenarios", lambda b: True),
+    "toolsandbox": ("ToolSandbox: 129 base scenarios",
+                    lambda b: b.kind == "toolsandbox" and list(b.domains) == ["base"]),
     "swebench_verified": ("SWE-bench Verified: 500 instances", lambda b: True),
 }
 

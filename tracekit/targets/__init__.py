@@ -1,0 +1,79 @@
+"""The targets registry: one module per target, keyed by ``benchmark.kind``.
+
+| kind | module | suite | metric |
+|---|---|---|---|
+| ``tau2`` | ``tau2.py`` | real tau^2-bench airline/retail (its evaluator) | pass rate per domain, union overall |
+| ``synthetic`` | ``tau2_mini.py`` | held-out instances of the tau^2 library environments | pass rate per environment |
+| ``toolsandbox`` | ``toolsandbox.py`` | real ToolSandbox behind its environment server (its evaluator) | mean similarity, perfect rate |
+
+Adding a target: one module here with a :class:`~tracekit.targets.base.Target` subclass, one entry in
+``_MODULES``, one ``conf/benchmark/<name>.yaml`` (``kind: <kind>``). ``tests/test_toolsandbox.py`` holds the
+registry against ``conf/benchmark/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+
+from omegaconf import DictConfig
+
+from tracekit.targets.base import Target
+
+# kind -> (module, class); imported on first use (tau2 imports the benchmark, seconds)
+_MODULES = {
+    "tau2": ("tau2", "Tau2Target"),
+    "synthetic": ("tau2_mini", "LibraryTarget"),
+    "toolsandbox": ("toolsandbox", "ToolSandboxTarget"),
+    "coding": ("coding", "CodingTarget"),  # issue 20: local SWE-smith-style tasks
+    "swebench": ("coding", "SweBenchTarget"),  # issue 20: SWE-bench Verified (the harness in Docker)
+}
+KINDS = tuple(_MODULES)
+
+
+def register(kind: str, module: str, cls: str) -> None:
+    """Add a target kind from another package (``module``: an importable module path, e.g. a coding target)."""
+    _MODULES[kind] = (module, cls)
+    target.cache_clear()
+
+
+@cache
+def target(kind: str) -> Target:
+    if kind not in _MODULES:
+        raise KeyError(f"no target of kind {kind!r} (built: {', '.join(_MODULES)})")
+    module, cls = _MODULES[kind]
+    path = module if "." in module else f"{__name__}.{module}"
+    return getattr(importlib.import_module(path), cls)()
+
+
+def target_of(cfg: DictConfig) -> Target:
+    """The target ``cfg.benchmark`` names."""
+    return target(cfg.benchmark.kind)
+
+
+def kinds() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+def kind_of_env(env: str) -> str:
+    """The target kind a trajectory's ``env`` belongs to: a library environment's name -> ``synthetic``, ToolSandbox's
+    (``toolsandbox``, ``toolsandbox_<variant>``) -> ``toolsandbox``, anything else -> ``tau2``."""
+    from tracekit.synthesis.library import LIBRARY_NAMES
+
+    if env in LIBRARY_NAMES:
+        return "synthetic"
+    if env == "toolsandbox" or env.startswith("toolsandbox_"):
+        return "toolsandbox"
+    if env == "coding" or env.startswith("coding_"):  # issue 20: the coding target's suites (conf/benchmark/coding_*)
+        return "coding"
+    if env.startswith("swebench"):
+        return "swebench"
+    return "tau2"
+
+
+def target_of_trajectories(trajectories: list) -> Target:
+    """The target the trajectories ran on (reference analysis: its dictionary and labeler); several: ValueError."""
+    found = sorted({kind_of_env(t.env) for t in trajectories}) or ["tau2"]
+    if len(found) > 1:
+        raise ValueError(f"trajectories of several targets ({', '.join(found)}): the reference analysis labels one target")
+    return target(found[0])

@@ -1,0 +1,59 @@
+"""What tracekit knows about one target, in one place: :class:`Target`.
+
+A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets it). Its module gives:
+
+- ``validate(cfg)``: the target's own config checks, run by :func:`tracekit.config.validate` before any work
+  (one-line :class:`~tracekit.config.ConfigError`; e.g. ToolSandbox's environment not built);
+- ``build_suite(cfg, split, client_for)``: its :class:`~tracekit.envs.base.EnvSuite` (tasks, episodes, reward);
+- ``synthesis_family(cfg)``: the interface synthesized environments keep (a name of
+  :mod:`tracekit.synthesis.targets`: tool schemas and policy text) and so the capability library family;
+- ``reference_dictionary()`` / ``reference_labeler(noise)``: the fixed dictionary and heuristic labeler of
+  ``analysis=reference``;
+- ``gold_agent()``: the agent of ``agent=gold`` (the wiring check: replays what the target defines as right);
+- ``metric`` and ``columns`` (the :data:`tracekit.reproduce.spec.COLUMNS` its tables use) and
+  ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+ClientFor = Callable[[DictConfig, str], Any]  # tracekit.stages.client_for(cfg, role)
+
+
+class Target:
+    kind: str = ""  # the benchmark.kind value this target answers to
+    summary: str = ""
+    metric: str = "pass_rate"
+    columns: tuple[str, ...] = ("overall",)
+
+    def validate(self, cfg: DictConfig) -> None:
+        """Raise ConfigError (one line) for a config this target cannot run."""
+
+    def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
+        raise NotImplementedError(f"target {self.kind}: no suite is built")
+
+    def synthesis_family(self, cfg: DictConfig) -> str:
+        raise NotImplementedError(f"target {self.kind}: no synthesis interface is known")
+
+    def reference_dictionary(self) -> list[Any]:
+        raise NotImplementedError(f"target {self.kind}: no reference dictionary (use analysis.discovery=llm or pinned)")
+
+    def reference_labeler(self, noise: float) -> Any:
+        raise NotImplementedError(f"target {self.kind}: no reference labeler (use analysis.labeler=llm)")
+
+    def gold_agent(self) -> Any:
+        raise NotImplementedError(f"target {self.kind}: no gold agent")
+
+    def summarize(self, trajectories: list[Any]) -> dict[str, Any]:
+        from tracekit.evaluate import summarize
+
+        return summarize(trajectories)
+
+    def markdown_table(self, results: dict[str, Any]) -> str:
+        from tracekit.evaluate import markdown_table
+
+        return markdown_table(results)

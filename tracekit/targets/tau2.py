@@ -1,0 +1,69 @@
+"""tau^2-bench (``benchmark.kind=tau2``): the real airline/retail domains, tau^2's own tools, policy, user
+simulator guidelines and evaluator (:mod:`tracekit.envs.tau2`); pass rate per domain, union overall (App. F)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from tracekit.targets.base import ClientFor, Target
+
+TAU2_DOMAINS = ("airline", "retail")  # tracekit.envs.tau2.DOMAINS (importing it loads tau2: seconds)
+
+
+def build_user(cfg: DictConfig, client_for: ClientFor) -> Any:
+    """tau^2's simulated user: scripted (offline) or tau^2's LLM user through the ``user.endpoint`` client."""
+    from tracekit.envs.users import LLMUser, ScriptedUser
+
+    u = cfg.user
+    if u.kind == "scripted":
+        return ScriptedUser(max_turns=u.max_turns)
+    return LLMUser(client_for(cfg, u.endpoint), temperature=u.temperature, max_new_tokens=u.max_new_tokens,
+                   max_turns=u.max_turns)
+
+
+class Tau2Target(Target):
+    kind = "tau2"
+    summary = "tau^2-bench airline/retail (tau^2's evaluator)"
+    metric = "pass_rate"
+    columns = ("airline", "retail", "overall")
+
+    def validate(self, cfg: DictConfig) -> None:
+        from tracekit.config import _check
+
+        b = cfg.benchmark
+        _check(len(b.domains) > 0, "benchmark.domains", list(b.domains), "a non-empty list with benchmark.kind=tau2")
+        bad = [d for d in b.domains if d not in TAU2_DOMAINS]
+        _check(not bad, "benchmark.domains", list(b.domains), f"tau^2 domains ({', '.join(TAU2_DOMAINS)})")
+
+    def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
+        from tracekit.envs.tau2 import Tau2Suite
+
+        b = cfg.benchmark
+        if b.policy != "full":
+            raise ValueError(f"benchmark.policy={b.policy!r}: only 'full' (tau^2's own policy) is built")
+        return Tau2Suite(name=b.name, domains=list(b.domains), split=split or b.split,
+                         task_ids=list(b.task_ids) if b.task_ids else None, limit=b.limit,
+                         user=build_user(cfg, client_for), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
+
+    def synthesis_family(self, cfg: DictConfig) -> str:
+        domains = list(cfg.benchmark.domains)
+        if len(domains) == 1:
+            return f"tau2_{domains[0]}"
+        return "tau2_retail"  # both domains: retail's tools (the larger split) as the family
+
+    def reference_dictionary(self) -> list[Any]:
+        from tracekit.analysis.reference import reference_dictionary
+
+        return reference_dictionary()
+
+    def reference_labeler(self, noise: float) -> Any:
+        from tracekit.analysis.reference import ReferenceLabeler
+
+        return ReferenceLabeler(noise=noise)
+
+    def gold_agent(self) -> Any:
+        from tracekit.agents import GoldAgent
+
+        return GoldAgent()

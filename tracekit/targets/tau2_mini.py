@@ -1,0 +1,54 @@
+"""Library-instance targets (``benchmark.kind=synthetic``, e.g. ``conf/benchmark/tau2_mini.yaml``, the embedded
+default): held-out instances of built-in library environments (:mod:`tracekit.synthesis.library_target`),
+their own reward; pass rate per environment. The reference labeler labels them from each instance's
+ground-truth calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from tracekit.targets.base import ClientFor, Target
+from tracekit.targets.tau2 import Tau2Target
+
+
+class LibraryTarget(Target):
+    kind = "synthetic"
+    summary = "held-out instances of library environments (their own reward)"
+    metric = "pass_rate"
+    columns = ("overall",)
+
+    def validate(self, cfg: DictConfig) -> None:
+        from tracekit.config import _check
+        from tracekit.synthesis.library import library_env
+
+        b = cfg.benchmark
+        _check(len(b.envs) > 0, "benchmark.envs", list(b.envs), "a non-empty list with benchmark.kind=synthetic")
+        _check(b.limit is not None, "benchmark.limit", b.limit, ">= 1 (instances per environment)")
+        for env in b.envs:
+            levels = list(library_env(env).difficulty_levels)
+            _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty, f"a difficulty level of {env} ({levels})")
+
+    def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
+        from tracekit.synthesis.library_target import LibraryTargetSuite
+
+        b = cfg.benchmark
+        llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
+                    if cfg.user.kind == "llm" else {})
+        return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
+                                  user=cfg.user.kind, **llm_user)
+
+    def synthesis_family(self, cfg: DictConfig) -> str:
+        from tracekit.synthesis.library import library_env
+
+        return library_env(cfg.benchmark.envs[0]).target  # the family of the library environments it is made of
+
+    def reference_dictionary(self) -> list[Any]:
+        return Tau2Target().reference_dictionary()
+
+    def reference_labeler(self, noise: float) -> Any:
+        return Tau2Target().reference_labeler(noise)
+
+    def gold_agent(self) -> Any:
+        return Tau2Target().gold_agent()
