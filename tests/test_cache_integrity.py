@@ -107,7 +107,7 @@ def test_the_master_seed_is_in_the_keys_of_the_stages_that_draw_from_it(make_cfg
     # greedy rollout, reference discovery; train through grpo.seed (${seed}) and what follows it; the baselines
     # that train (grpo.seed, baselines.adp_sft.seed) or sample (GEPA, and Figure 4, which runs GEPA) too
     assert {n for n in one if one[n] != two[n]} == {"label", "train", "compose", "grpo_target", "untargeted_synthetic",
-                                                    "adp_sft", "gepa", "figure4"}
+                                                    "adp_sft", "gepa", "figure4", "swe_rl"}
     stoch = [_stage_keys(pipe, make_cfg("experiment=smoke", f"seed={s}", "eval=stochastic")) for s in (1, 2)]
     assert stoch[0]["rollout"] != stoch[1]["rollout"] and stoch[0]["evaluate"] != stoch[1]["evaluate"]
     llm = [_stage_keys(pipe, make_cfg("experiment=smoke", f"seed={s}", "analysis=llm")) for s in (1, 2)]

@@ -134,7 +134,9 @@ FREE_TEXT = {"benchmark.name", "benchmark.task_ids", "backbone.name", "backbone.
              "analysis.dictionary_path", "analysis.endpoint", "synthesis.endpoint", "grpo.lora.target_modules",
              "grpo.lora.target_parameters", "llm.endpoints.*.base_url", "llm.endpoints.*.model",
              "llm.endpoints.*.api_key_env", "logger.project", "logger.entity", "paths.root_dir", "paths.cache_dir",
-             "paths.run_dir", "name", *(f"consolidation.{g}.lora.{k}" for g in ("sft", "distill")
+             "paths.run_dir", "name", "benchmark.coding.package", "benchmark.coding.model_name",
+             "benchmark.coding.dataset", "benchmark.coding.repos_dir",
+             *(f"consolidation.{g}.lora.{k}" for g in ("sft", "distill")
                                         for k in ("target_modules", "target_parameters"))}
 
 

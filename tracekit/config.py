@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
+from tracekit.coding.config import CHOICES as CODING_CHOICES
+from tracekit.coding.config import RANGES as CODING_RANGES
+from tracekit.coding.config import CodingBenchmarkConfig
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
@@ -51,6 +54,7 @@ class BenchmarkConfig:
     agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
     envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
     difficulty: int = 0  # kind=synthetic: the environments' difficulty level
+    coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class BackboneConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     device: str = "auto"
     arch: dict[str, Any] = field(default_factory=dict)  # architecture numbers (meta/random builds)
+    planted: Any = None  # a planted warm start (a dict or None) (tracekit/planted/warmstart.py; experiment=planted)
 
 
 @dataclass
@@ -257,6 +262,7 @@ class BaselinesConfig:
     gepa: GepaConfig = field(default_factory=GepaConfig)
     untargeted_synthetic: UntargetedConfig = field(default_factory=UntargetedConfig)
     adp_sft: AdpSftConfig = field(default_factory=AdpSftConfig)
+    swe_rl: GrpoTargetConfig = field(default_factory=GrpoTargetConfig)  # SWE-RL: grpo_target's settings, its own reward
 
 
 @dataclass
@@ -283,6 +289,7 @@ class EvalConfig:
     seeds: list[int] = field(default_factory=lambda: [42])
     max_steps: int = 50
     context_budget: int = 32000
+    benchmark: str | None = None  # a conf/benchmark name: evaluate every policy there (paper Table 8); None: the target
 
 
 @dataclass
@@ -386,6 +393,9 @@ RANGES: dict[str, str] = {
     "consolidation.distill.rollout_batch_size": ">= 1",
     "baselines.grpo_target.episodes": ">= 1", "baselines.grpo_target.train_limit": ">= 1",
     "baselines.grpo_target.checkpoint_iterations": ">= 1",
+    "baselines.swe_rl.episodes": ">= 1", "baselines.swe_rl.train_limit": ">= 1",
+    "baselines.swe_rl.checkpoint_iterations": ">= 1",
+    **CODING_RANGES,  # benchmark.coding.* (tracekit/coding/config.py)
     "baselines.gepa.max_metric_calls": ">= 1", "baselines.gepa.reflection_minibatch_size": ">= 1",
     "baselines.gepa.valset_size": ">= 1", "baselines.gepa.train_limit": ">= 2",
     "baselines.gepa.reflection_temperature": "[0, 2]", "baselines.gepa.reflection_max_new_tokens": ">= 1",
@@ -403,6 +413,18 @@ def _library_names() -> tuple[str, ...]:
     from tracekit.synthesis.library import LIBRARY_NAMES
 
     return LIBRARY_NAMES
+
+
+def _benchmark_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "benchmark").glob("*.yaml")))
+
+
+def _target_domains() -> tuple[str, ...]:
+    # tau^2's domains (tracekit.envs.tau2.DOMAINS: importing it loads tau2, seconds) and ToolSandbox's scenario sets
+    from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX
+    from tracekit.targets.tau2 import TAU2_DOMAINS
+
+    return (*TAU2_DOMAINS, *TOOLSANDBOX)
 
 
 def _stage_names() -> tuple[str, ...]:
@@ -440,11 +462,12 @@ def _chat_formats() -> tuple[str, ...]:
 # every string field with a fixed set of values: a tuple, a function giving one (imported when used), or a
 # regular expression; the other strings are names, paths and URLs
 CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
-    "benchmark.kind": ("tau2", "synthetic"),
-    "benchmark.domains": ("airline", "retail"),  # tracekit.envs.tau2.DOMAINS (importing it loads tau2: seconds)
+    "benchmark.kind": ("tau2", "synthetic", "toolsandbox", "coding", "swebench"),  # tracekit.targets (+ issue 20's)
+    "benchmark.domains": _target_domains,  # which go with which kind: the target's validate()
     "benchmark.split": ("train", "test", "base"),
     "benchmark.policy": ("full",),
     "benchmark.envs": _library_names,
+    **CODING_CHOICES,  # benchmark.coding.modifiers: swesmith's Python modifiers
     "backbone.source": ("random", "gguf", "hub"),
     "backbone.chat_format": _chat_formats,
     "backbone.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -477,6 +500,7 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "consolidation.distill.save_rollouts": ("none", "messages", "full"),
     "llm.endpoints.*.kind": ("hf", "openai"),
     "eval.mode": ("greedy", "stochastic"),
+    "eval.benchmark": _benchmark_names,  # a conf/benchmark name (evaluation on another target, Table 8)
     "scale.name": _scale_names,
     "scale.backbone": _backbone_names,
     "eval.methods": _method_names,
@@ -599,6 +623,29 @@ def read_pinned_dictionary(cfg: DictConfig) -> list[Any]:
         raise ConfigError(f"analysis.dictionary_path: {e}") from None
 
 
+def eval_benchmark(cfg: DictConfig) -> str | None:
+    """``eval.benchmark``; None when unset. Unset, it is not among the evaluate stage's reads (its keys stay as they
+    were), so in that stage's read view it is MISSING: that reads as unset too."""
+    return OmegaConf.select(cfg, "eval.benchmark", throw_on_missing=False)
+
+
+def evaluation_config(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``benchmark`` replaced by ``conf/benchmark/<eval.benchmark>.yaml`` (over the schema's defaults):
+    what every evaluation rollout runs on when ``eval.benchmark`` names another target; ``cfg`` itself otherwise.
+    An unknown name: ConfigError listing the known ones."""
+    name = eval_benchmark(cfg)
+    if name is None:
+        return cfg
+    folder = Path(__file__).resolve().parent.parent / "conf" / "benchmark"
+    path = folder / f"{name}.yaml"
+    _check(path.is_file(), "eval.benchmark", name, "a conf/benchmark name (" + ", ".join(
+        sorted(p.stem for p in folder.glob("*.yaml"))) + ")")
+    out = cfg.copy()
+    with open_dict(out):
+        out.benchmark = OmegaConf.merge(OmegaConf.structured(BenchmarkConfig), OmegaConf.load(path))
+    return out
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every key against the schema, every value's range or choices and the cross-field rules; raise
     ConfigError (one line) on the first problem."""
@@ -607,6 +654,13 @@ def validate(cfg: DictConfig) -> None:
             _check_leaf(key, pattern, node[name])
     t = cfg.thresholds
     _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
+    if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line
+        from tracekit.planted.warmstart import PlantedSpec
+
+        try:
+            PlantedSpec.from_config(cfg.backbone.planted)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from None
     for key in ("tool_choice", "copy_ids"):
         if cfg.agent[key] not in ("auto", False):
             _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,
@@ -636,18 +690,13 @@ def validate(cfg: DictConfig) -> None:
     if cfg.launcher.kind == "deepspeed_zero3" and cfg.launcher.nproc > 1:  # as tracekit.rl.launch.check_supported
         _check(cfg.grpo.engine != "hf", "grpo.engine", "hf",
                "agent or vllm with launcher=deepspeed_zero3 and nproc > 1 (hf rollouts are not rank-synchronized)")
-    b = cfg.benchmark
-    if b.kind == "tau2":
-        _check(len(b.domains) > 0, "benchmark.domains", list(b.domains), "a non-empty list with benchmark.kind=tau2")
-    else:
-        from tracekit.synthesis.library import library_env
+    from tracekit.targets import target_of
 
-        _check(len(b.envs) > 0, "benchmark.envs", list(b.envs), "a non-empty list with benchmark.kind=synthetic")
-        _check(b.limit is not None, "benchmark.limit", b.limit, ">= 1 (instances per environment)")
-        for env in b.envs:
-            levels = list(library_env(env).difficulty_levels)
-            _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty,
-                   f"a difficulty level of {env} ({levels})")
+    target_of(cfg).validate(cfg)  # the target's own checks (tracekit/targets/<kind>.py: domains, environments, ...)
+    if eval_benchmark(cfg) is not None:  # evaluation on another target (Table 8): that target's checks too
+        from tracekit.targets import target_of
+
+        target_of(evaluation_config(cfg)).validate(evaluation_config(cfg))
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
     from tracekit.methods import validate_methods
 

@@ -49,7 +49,7 @@ _CLIENTS: dict[str, Any] = {}
 
 def backbone_dict(cfg: DictConfig) -> dict[str, Any]:
     b = _plain(cfg.backbone)
-    return {k: b[k] for k in ("name", "source", "hf_id", "chat_format", "arch") if b.get(k) is not None}
+    return {k: b[k] for k in ("name", "source", "hf_id", "chat_format", "arch", "planted") if b.get(k) is not None}
 
 
 def device(cfg: DictConfig) -> str:
@@ -117,68 +117,57 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
 
 
 def build_user(cfg: DictConfig) -> Any:
-    from tracekit.envs.users import LLMUser, ScriptedUser
+    """tau^2's simulated user (:func:`tracekit.targets.tau2.build_user`)."""
+    from tracekit.targets.tau2 import build_user as tau2_user
 
-    u = cfg.user
-    if u.kind == "scripted":
-        return ScriptedUser(max_turns=u.max_turns)
-    return LLMUser(client_for(cfg, u.endpoint), temperature=u.temperature, max_new_tokens=u.max_new_tokens,
-                   max_turns=u.max_turns)
+    return tau2_user(cfg, client_for)
 
 
 def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
-    b = cfg.benchmark
-    if b.kind == "tau2":
-        from tracekit.envs.tau2 import Tau2Suite
+    """The target's suite (:mod:`tracekit.targets`, by ``benchmark.kind``)."""
+    from tracekit.targets import target_of
 
-        if b.policy != "full":
-            raise ValueError(f"benchmark.policy={b.policy!r}: only 'full' (tau^2's own policy) is built")
-        return Tau2Suite(name=b.name, domains=list(b.domains), split=split or b.split,
-                         task_ids=list(b.task_ids) if b.task_ids else None, limit=b.limit,
-                         user=build_user(cfg), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
-    if b.kind == "synthetic":
-        from tracekit.synthesis.library_target import LibraryTargetSuite
-
-        llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
-                    if cfg.user.kind == "llm" else {})
-        return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
-                                  user=cfg.user.kind, **llm_user)
-    raise NotImplementedError(f"benchmark.kind={b.kind!r}: no adapter is built yet (built: tau2, synthetic)")
+    return target_of(cfg).build_suite(cfg, split, client_for)
 
 
 def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None,
                 system_prompt_suffix: str | None = None) -> Any:
-    from tracekit.agents import GoldAgent
+    if cfg.agent.kind == "gold":  # the target's own wiring check (tau^2: gold actions; ToolSandbox: its milestones)
+        from tracekit.targets import target_of
 
-    if cfg.agent.kind == "gold":
-        return GoldAgent()
+        return target_of(cfg).gold_agent()
     return llm_agent(cfg, cfg.eval.temperature, adapter, moe, system_prompt_suffix)
 
 
-def cached_rollout(ctx: StageContext, policy: Any = None) -> Artifact:
+def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None = None) -> Artifact:
     """Roll the agent under ``policy`` (a :class:`tracekit.methods.Policy`; None: the base agent) out on the
-    benchmark, cached under ``episodes/<key>``: keyed on the policy's content, so methods that produce the same
-    weights share one rollout."""
+    benchmark (``cfg``'s, by default the stage's), cached under ``episodes/<key>``: keyed on the policy's content, so
+    methods that produce the same weights share one rollout."""
     from tracekit.methods import Policy
 
     policy = policy or Policy()
     from tracekit.rollout import TRAJECTORIES, run_rollouts
 
-    cfg = ctx.cfg
+    cfg = ctx.cfg if cfg is None else cfg
     key = stable_hash({"reads": _select(cfg, rollout_reads(cfg)), "policy": policy.identity()}, length=20)
 
     def compute(work: Path) -> None:
         suite = build_suite(cfg)
-        weights = {} if policy.weights is None else {policy.kind: str(policy.weights.path / policy.subdir)}
-        agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
-        greedy = cfg.eval.temperature == 0
-        summary = run_rollouts(
-            suite, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
-            seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
-            context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size)
-        # the file by name: the work dir's path (a .partial) is not where the artifact will live
-        atomic_write_json(work / "summary.json", {"policy": policy.identity(), **summary.to_dict(),
-                                                  "path": TRAJECTORIES})
+        try:
+            weights = {} if policy.weights is None else {policy.kind: str(policy.weights.path / policy.subdir)}
+            agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
+            greedy = cfg.eval.temperature == 0
+            summary = run_rollouts(
+                suite, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
+                seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
+                context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size)
+            # the file by name: the work dir's path (a .partial) is not where the artifact will live; scenarios the
+            # suite skipped (ToolSandbox's RapidAPI ones without a key) are counted beside the episodes
+            atomic_write_json(work / "summary.json", {"policy": policy.identity(), **summary.to_dict(),
+                                                      "path": TRAJECTORIES,
+                                                      **({"skipped": suite.skipped} if getattr(suite, "skipped", None) else {})})
+        finally:
+            getattr(suite, "close", lambda: None)()  # an environment server (ToolSandbox) stops with its rollout
 
     t0 = time.time()
     art = ctx.cache.get_or_compute("episodes", key, compute, meta={"policy": policy.identity()})
@@ -202,13 +191,17 @@ def rollout_stage(ctx: StageContext) -> None:
 
 
 def rollout_report(art: Artifact, ctx: StageContext) -> None:
-    from tracekit.evaluate import markdown_table, summarize
+    from tracekit.targets import target_of
 
     trajs = trajectories_of(art)
     ok = sum(t.success for t in trajs)
     errors = sum(t.termination == "error" for t in trajs)
-    ctx.record.section("Rollout (base agent)", f"{len(trajs)} episodes, {ok} successful, {errors} errors.\n\n"
-                       + markdown_table({"Base": summarize(trajs)}))
+    target = target_of(ctx.cfg)
+    rollout = read_json(art.path / "episodes.json")
+    skipped = read_json(art.resolve(rollout).path / "summary.json").get("skipped", {})
+    note = "".join(f" Skipped ({why}): {len(names)}." for why, names in skipped.items())
+    ctx.record.section("Rollout (base agent)", f"{len(trajs)} episodes, {ok} successful, {errors} errors.{note}\n\n"
+                       + target.markdown_table({"Base": target.summarize(trajs)}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,11 +211,12 @@ def rollout_report(art: Artifact, ctx: StageContext) -> None:
 def discover_stage(ctx: StageContext) -> None:
     from tracekit.analysis.compact import CompactConfig
     from tracekit.analysis.discovery import DiscoveryConfig, discover, write_dictionary
-    from tracekit.analysis.reference import reference_dictionary
+    from tracekit.targets import target_of_trajectories
 
     a = ctx.cfg.analysis
-    if a.discovery == "reference":
-        write_dictionary(reference_dictionary(), ctx.work_dir, source="reference")
+    if a.discovery == "reference":  # the fixed dictionary of the target the rollout ran on
+        target = target_of_trajectories(trajectories_of(ctx.inputs["rollout"]))
+        write_dictionary(target.reference_dictionary(), ctx.work_dir, source="reference")
         return
     pinned = str(Path(a.dictionary_path).expanduser().resolve()) if a.discovery == "pinned" else None
     client = None if pinned else client_for(ctx.cfg, a.endpoint)
@@ -246,19 +240,20 @@ def label_stage(ctx: StageContext) -> None:
     from tracekit.analysis.compact import CompactConfig
     from tracekit.analysis.discovery import read_dictionary
     from tracekit.analysis.labeling import LabelingConfig, LLMLabeler
-    from tracekit.analysis.reference import ReferenceLabeler
     from tracekit.analysis.stages import label
+    from tracekit.targets import target_of_trajectories
 
     a = ctx.cfg.analysis
-    if a.labeler == "reference":
-        labeler: Any = ReferenceLabeler(noise=a.label_noise)
+    trajectories = trajectories_of(ctx.inputs["rollout"])
+    if a.labeler == "reference":  # the heuristic labeler of the target the rollout ran on
+        labeler: Any = target_of_trajectories(trajectories).reference_labeler(a.label_noise)
     else:
         labeler = LLMLabeler(client_for(ctx.cfg, a.endpoint), LabelingConfig(
             temperature=a.temperature, capabilities_per_call=a.capabilities_per_call,
             max_attempts=a.max_retries + 1, max_new_tokens=a.max_new_tokens, chunk_size=a.chunk_size,
             on_missing=a.on_missing, show_outcome=a.show_outcome, compact=CompactConfig(max_chars=a.compact_chars),
             use_response_format=a.use_response_format))
-    label(trajectories_of(ctx.inputs["rollout"]), read_dictionary(ctx.inputs["discover"].path), labeler,
+    label(trajectories, read_dictionary(ctx.inputs["discover"].path), labeler,
           runs=ctx.cfg.thresholds.n, seed=ctx.seed, out_dir=ctx.work_dir)
 
 
@@ -302,17 +297,10 @@ def select_report(art: Artifact, ctx: StageContext) -> None:
 
 
 def synthesis_target(cfg: DictConfig) -> str:
-    """The environment family synthesized environments must keep the interface of."""
-    domains = list(cfg.benchmark.domains)
-    if cfg.benchmark.kind == "tau2" and len(domains) == 1:
-        return f"tau2_{domains[0]}"
-    if cfg.benchmark.kind == "tau2":  # both domains: retail's tools (the larger split) as the family
-        return "tau2_retail"
-    if cfg.benchmark.kind == "synthetic":  # the family of the library environments it is made of
-        from tracekit.synthesis.library import library_env
+    """The environment family synthesized environments must keep the interface of (the target's)."""
+    from tracekit.targets import target_of
 
-        return library_env(cfg.benchmark.envs[0]).target
-    return cfg.benchmark.name
+    return target_of(cfg).synthesis_family(cfg)
 
 
 # grpo.engine=agent: the HFChatClient options it takes from the agent config (client option: agent key)
@@ -498,17 +486,28 @@ def is_zero_update(adapter_dir: Path) -> bool:
 def policy_trajectories(ctx: StageContext, policy: Any) -> list[Any]:
     """The policy's trajectories on the target's test tasks: one cached rollout per distinct policy. The
     base policy, and an adapter that is the zero update (B = 0: the base model's outputs bit for bit), read
-    the base rollout."""
-    if policy.kind == "base" or (policy.kind == "adapter" and is_zero_update(policy.weights.path / policy.subdir)):
+    the base rollout. With ``eval.benchmark`` (another target, Table 8) every policy, the base included, is rolled
+    out there."""
+    from tracekit.config import eval_benchmark, evaluation_config
+    from tracekit.methods import Policy
+
+    base = policy.kind == "base" or (policy.kind == "adapter" and is_zero_update(policy.weights.path / policy.subdir))
+    if eval_benchmark(ctx.cfg) is not None:
+        return read_trajectories_dir(cached_rollout(ctx, Policy() if base else policy, evaluation_config(ctx.cfg)))
+    if base:
         return trajectories_of(ctx.inputs["rollout"])
     return read_trajectories_dir(cached_rollout(ctx, policy))
 
 
 def evaluate_stage(ctx: StageContext) -> None:
     """One loop over every method's policy rows; each method keeps the rows its table shows."""
-    from tracekit.evaluate import summarize, write_results
+    from tracekit.config import evaluation_config
+    from tracekit.evaluate import write_results
     from tracekit.methods import METHODS
+    from tracekit.targets import target_of
 
+    target = target_of(evaluation_config(ctx.cfg))  # the evaluation target's metric (pass rate; similarity)
+    summarize = target.summarize
     results: dict[str, Any] = {}
     for name in ctx.cfg.eval.methods:
         method = METHODS[name]
@@ -518,16 +517,20 @@ def evaluate_stage(ctx: StageContext) -> None:
             if row.label in method.keep(scored):
                 results[row.label] = {**scored[row.label], "method": name, "budget": row.budget.to_dict(),
                                       "notes": list(row.notes)}
-    write_results(ctx.work_dir, results)
+    write_results(ctx.work_dir, results, table=target.markdown_table(results))
 
 
 def evaluate_report(art: Artifact, ctx: StageContext) -> None:
-    from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
+    from tracekit.config import evaluation_config
+    from tracekit.evaluate import RESULTS, wandb_rows
+    from tracekit.targets import target_of
 
     results = read_json(art.path / RESULTS)
     notes = [f"- {label}: {n}" for label, r in results.items() for n in r.get("notes", ())]
-    table = markdown_table(results) + ("\n" + "\n".join(notes) + "\n" if notes else "")
-    print(f"\n{ctx.cfg.benchmark.name} ({ctx.cfg.backbone.name}, eval={ctx.cfg.eval.mode}):\n{table}\n", flush=True)
+    on = evaluation_config(ctx.cfg)
+    table = target_of(on).markdown_table(results) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    trained = f" (trained on {ctx.cfg.benchmark.name})" if on is not ctx.cfg else ""
+    print(f"\n{on.benchmark.name}{trained} ({ctx.cfg.backbone.name}, eval={ctx.cfg.eval.mode}):\n{table}\n", flush=True)
     ctx.record.section("Evaluation", table)
     atomic_write_json(ctx.record.run_dir / RESULTS, results, sort_keys=False)  # the run's own copy (a multirun's table reads it)
     cols, rows = wandb_rows(results)
@@ -589,9 +592,17 @@ def compose_inputs(cfg: DictConfig) -> tuple[str, ...]:
 def evaluate_reads(cfg: DictConfig) -> tuple[str, ...]:
     from tracekit.methods import METHODS
 
-    # each policy's rollout reads what the base rollout reads
-    return tuple(dict.fromkeys(["eval.methods", *rollout_reads(cfg), *(r for m in cfg.eval.methods
-                                                                       for r in METHODS[m].reads(cfg))]))
+    # each policy's rollout reads what the base rollout reads (and, evaluated on another target, its name)
+    other = ["eval.benchmark"] if cfg.eval.benchmark is not None else []  # unset: not read (keys as before)
+    return tuple(dict.fromkeys(["eval.methods", *other, *rollout_reads(cfg), *(r for m in cfg.eval.methods
+                                                                                for r in METHODS[m].reads(cfg))]))
+
+
+def evaluation_benchmark(cfg: DictConfig) -> Any:
+    """The evaluate key's extra: the contents of the benchmark ``eval.benchmark`` names (None when unset)."""
+    from tracekit.config import evaluation_config
+
+    return None if cfg.eval.benchmark is None else _plain(evaluation_config(cfg).benchmark)
 
 
 def build_pipeline() -> Pipeline:
@@ -608,8 +619,9 @@ def build_pipeline() -> Pipeline:
               report=synthesize_report),
         Stage("train", reads=("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS), inputs=("synthesize",),
               compute=train_stage, report=train_report),
-        Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report),
+        Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report,
+              version="2"),  # 2: the moe gate holds out a fixed share of its examples (CE before/after on them)
         Stage("evaluate", reads=evaluate_reads, inputs=evaluate_inputs, compute=evaluate_stage,
-              report=evaluate_report),
+              report=evaluate_report, key_extra=evaluation_benchmark),
         *(stage for method in METHODS.values() for stage in method.stages),
     ])

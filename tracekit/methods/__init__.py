@@ -5,7 +5,7 @@
 subclass, one entry below (and a config file under ``conf/`` if it has settings).
 
 The external baselines (paper Tables 1-3, Figure 4): ``grpo_target``, ``prompt_only``, ``gepa``,
-``untargeted_synthetic`` (the runnable AWM control), ``adp_sft``; their settings are ``baselines.*``
+``untargeted_synthetic`` (the runnable AWM control), ``adp_sft``, ``swe_rl`` (the coding target); their settings are ``baselines.*``
 (``conf/baselines/paper.yaml``).
 """
 
@@ -18,11 +18,13 @@ from tracekit.methods.gepa import Gepa
 from tracekit.methods.grpo_target import GrpoTarget
 from tracekit.methods.prompt_only import PromptOnly
 from tracekit.methods.single import SingleCapability
+from tracekit.methods.swe_rl import SweRl
 from tracekit.methods.trace import Trace
 from tracekit.methods.untargeted import UntargetedSynthetic
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     BaseAgent(), SingleCapability(), Trace(), GrpoTarget(), PromptOnly(), Gepa(), UntargetedSynthetic(), AdpSft(),
+    SweRl(),
 )}
 
 

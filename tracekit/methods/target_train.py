@@ -33,6 +33,8 @@ def training_split_problem(cfg: DictConfig) -> str | None:
     b = cfg.benchmark
     if b.kind == "synthetic":
         return None
+    if b.kind in ("coding", "swebench"):  # the local SWE-smith-style train split (SWE-bench Verified: the disjoint one)
+        return "benchmark.split=train: the evaluated tasks are the training tasks" if b.split == "train" else None
     if b.kind == "tau2":
         if b.split == "train":
             return "benchmark.split=train: the evaluated tasks are tau^2's training tasks"
@@ -72,17 +74,30 @@ def train_suite_spec(cfg: DictConfig, n_per_env: int | None = None, limit: int |
         spec["agent"] = {"batch_size": cfg.agent.batch_size, "constrained_tool_calls": False}
     if bench["kind"] == "tau2":
         spec["limit"] = limit
+    elif bench["kind"] in ("coding", "swebench"):  # issue 20: the coding train split (tracekit/coding/config.py)
+        spec["benchmark"]["kind"] = "coding"
+        spec["limit"] = limit
     else:
         spec["n_per_env"] = int(n_per_env or 1)
     return spec
 
 
-def open_target_train(spec: dict[str, Any]) -> Any:
-    """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``)."""
+def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any:
+    """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``).
+    ``cache_dir``: where the coding target's generated tasks are cached (default ``$TRACEKIT_CACHE`` or
+    ``outputs/cache`` under ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
     from tracekit.stages import TRAIN_SEED_OFFSET, build_user, client_for
 
     cfg = OmegaConf.create(spec)
     b = cfg.benchmark
+    if b.kind == "coding":
+        import os
+
+        from tracekit.coding.config import build_suite as coding_suite
+
+        root = cache_dir or os.environ.get("TRACEKIT_CACHE") or os.path.join(
+            os.environ.get("TRACEKIT_ROOT", os.getcwd()), "outputs", "cache")
+        return coding_suite(b, root, split="train", reward=spec.get("reward", "tests"), limit=spec.get("limit"))
     if b.kind == "tau2":
         from tracekit.envs.tau2 import Tau2Suite
 

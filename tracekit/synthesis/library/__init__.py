@@ -2,7 +2,8 @@
 
 tau^2 (real airline/retail tools and data models over small generated databases): structured data reasoning,
 tool calling precision, multi-step task completion, precondition verification. ToolSandbox-shaped: permission
-error recovery, datetime reasoning. They are the offline default of the synthesize stage and the examples the
+error recovery, datetime reasoning. Coding (the coding target's bash/submit tools over a
+generated package): fault localization, minimal edit, test before submit. They are the offline default of the synthesize stage and the examples the
 generation agent is shown.
 """
 
@@ -20,6 +21,9 @@ _MODULES = {
     "tau2_precondition_verification": ("precondition_verification", "PreconditionVerification"),
     "toolsandbox_permission_error_recovery": ("permission_error_recovery", "PermissionErrorRecovery"),
     "toolsandbox_datetime_reasoning": ("datetime_reasoning", "DatetimeReasoning"),
+    "coding_fault_localization": ("coding_fault_localization", "CodingFaultLocalization"),
+    "coding_minimal_edit": ("coding_minimal_edit", "CodingMinimalEdit"),
+    "coding_test_before_submit": ("coding_test_before_submit", "CodingTestBeforeSubmit"),
 }
 LIBRARY_NAMES = tuple(_MODULES)
 

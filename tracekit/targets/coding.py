@@ -1,0 +1,55 @@
+"""The coding target (issue 20; paper Table 2): ``benchmark.kind=coding`` (local SWE-smith-style tasks injected into
+an installed package, :mod:`tracekit.coding`) and ``benchmark.kind=swebench`` (SWE-bench Verified instances, scored
+by the official harness in Docker). Metric: Pass@1 (a task counts as solved when its FAIL_TO_PASS and PASS_TO_PASS
+tests pass on the submitted tree). Reference analysis: :mod:`tracekit.coding.reference` (fault localization,
+minimal edit, test before submit); the capability library family ``coding`` (``synthesis/library/coding_*.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from tracekit.targets.base import ClientFor, Target
+
+
+class CodingTarget(Target):
+    kind = "coding"
+    summary = "bugs injected by swesmith's procedural modifiers into an installed package, checked by its own tests"
+    metric = "pass_at_1"
+    columns = ("pass_at_1",)
+
+    def validate(self, cfg: DictConfig) -> None:
+        from tracekit.coding.config import check
+        from tracekit.config import _check
+
+        for key, value, valid in check(cfg.benchmark):
+            _check(False, key, value, valid)
+
+    def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
+        from tracekit.coding.config import build_suite
+
+        return build_suite(cfg.benchmark, cfg.paths.cache_dir, split)
+
+    def synthesis_family(self, cfg: DictConfig) -> str:
+        return "coding"
+
+    def reference_dictionary(self) -> list[Any]:
+        from tracekit.coding.reference import reference_dictionary
+
+        return reference_dictionary()
+
+    def reference_labeler(self, noise: float) -> Any:
+        from tracekit.coding.reference import CodingReferenceLabeler
+
+        return CodingReferenceLabeler(noise=noise)
+
+    def gold_agent(self) -> Any:
+        from tracekit.agents import GoldAgent
+
+        return GoldAgent()  # replays task.data["actions"]: apply the gold patch with bash, run the tests, submit
+
+
+class SweBenchTarget(CodingTarget):
+    kind = "swebench"
+    summary = "SWE-bench Verified (its instances; the official swebench harness in Docker scores the predictions)"
