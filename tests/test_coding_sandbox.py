@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,23 @@ def test_write_outside_the_copy_is_refused(ws, tmp_path):
     assert "write_denied" in r.events and not target.exists() and not Path("/etc/escape").exists()
     r = ws.run(f"echo y > /tmp/escape-{os.getpid()}; cat /tmp/escape-{os.getpid()}", LIMITS)  # a private tmpfs
     assert r.output.strip() == "y" and not Path(f"/tmp/escape-{os.getpid()}").exists()
+
+
+@ns
+def test_read_only_directory_under_tmp_stays_visible_and_read_only(ws):
+    shown = Path(f"/tmp/tracekit-shown-{os.getpid()}")
+    hidden = Path(f"/tmp/tracekit-hidden-{os.getpid()}.txt")
+    try:
+        (shown / "pkg").mkdir(parents=True)
+        (shown / "pkg" / "plugin.py").write_text("P = 1\n")
+        hidden.write_text("secret\n")
+        r = sandbox.run(f"cat {shown}/pkg/plugin.py; cat {hidden}; echo x > {shown}/pkg/plugin.py", ws.repo, LIMITS,
+                        read_only=(shown / "pkg",))
+        assert "P = 1" in r.output and "secret" not in r.output and "write_denied" in r.events
+        assert (shown / "pkg" / "plugin.py").read_text() == "P = 1\n"
+    finally:
+        hidden.unlink(missing_ok=True)
+        shutil.rmtree(shown, ignore_errors=True)
 
 
 @ns

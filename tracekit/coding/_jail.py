@@ -1,9 +1,11 @@
 """Init of one sandboxed command (run by :mod:`tracekit.coding.sandbox` as PID 1 of fresh mount/net/PID namespaces,
 as root, with ``python -I -S -B``; standard library only).
 
-usage: _jail.py CWD CPU_SECONDS MEMORY_BYTES FILE_BYTES NPROC -- ARGV...
+usage: _jail.py CWD CPU_SECONDS MEMORY_BYTES FILE_BYTES NPROC [READ_ONLY_DIR...] -- ARGV...
 
-It mounts private tmpfs over the world-writable temp directories (unless the copy lives inside one); when the
+It mounts private tmpfs over the world-writable temp directories (unless the copy lives inside one) and binds each
+READ_ONLY_DIR that such a tmpfs would hide (tracekit's own pytest plugin in a checkout under /tmp) back, read-only,
+at its path; when the
 Python installation sits under a directory ``nobody`` cannot traverse (``/root/.pyenv``), it covers that directory
 with an empty tmpfs and binds only the installation back (read-only), so tests can run and nothing else of it is
 visible; then it forks
@@ -48,18 +50,34 @@ def _expose_python(libc):
             break
 
 
+def _inside(path: str, directory: str) -> bool:
+    return (path + "/").startswith(directory + "/")
+
+
+def _bind_back(libc, held: dict[str, int]) -> None:
+    """Bind each directory (held open since before a tmpfs covered it) back at its path, read-only."""
+    for path, fd in held.items():
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        _mount(libc, None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+        os.close(fd)
+
+
 def main() -> int:
     sep = sys.argv.index("--")
-    cwd, cpu, mem, fsize, nproc = sys.argv[1:sep]
+    cwd, cpu, mem, fsize, nproc, *read_only = sys.argv[1:sep]
     argv = sys.argv[sep + 1:]
     libc = ctypes.CDLL(None, use_errno=True)
     real_cwd = os.path.realpath(cwd)
-    for target in OVERLAYS:
-        if os.path.isdir(target) and not (real_cwd + "/").startswith(os.path.realpath(target) + "/"):
-            if libc.mount(b"tmpfs", target.encode(), b"tmpfs", 0, b"mode=1777,size=268435456") != 0:
-                print(f"jail: cannot mount tmpfs on {target} (errno {ctypes.get_errno()})", file=sys.stderr)
-                return 125
+    covered = [os.path.realpath(t) for t in OVERLAYS if os.path.isdir(t) and not _inside(real_cwd, os.path.realpath(t))]
+    keep = [p for p in dict.fromkeys(os.path.realpath(d) for d in read_only) if any(_inside(p, t) for t in covered)]
+    held = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
+    for target in covered:
+        if libc.mount(b"tmpfs", target.encode(), b"tmpfs", 0, b"mode=1777,size=268435456") != 0:
+            print(f"jail: cannot mount tmpfs on {target} (errno {ctypes.get_errno()})", file=sys.stderr)
+            return 125
     try:
+        _bind_back(libc, held)
         _expose_python(libc)
     except OSError as e:
         print(f"jail: {e}", file=sys.stderr)

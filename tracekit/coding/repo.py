@@ -170,7 +170,7 @@ def run_tests(repo: Path, selection: list[str], limits: CommandLimits) -> TestRu
                 "-W", "ignore::DeprecationWarning", *selection]
         env = {"PYTHONPATH": f"{repo}:{PLUGIN_DIR}", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
                "TRACEKIT_REPORT": str(report)}
-        r = sandbox.run(argv, repo, limits, env=env)
+        r = sandbox.run(argv, repo, limits, env=env, read_only=(PLUGIN_DIR,))
         data = json.loads(report.read_text()) if report.exists() else {}
     finally:
         shutil.rmtree(holder, ignore_errors=True)

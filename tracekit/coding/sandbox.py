@@ -171,9 +171,10 @@ def _truncate(text: str, limit: int) -> tuple[str, bool]:
 
 
 def run(command: str | list[str], cwd: Path, limits: CommandLimits = CommandLimits(),
-        env: dict[str, str] | None = None) -> CommandResult:
+        env: dict[str, str] | None = None, read_only: tuple[Path, ...] = ()) -> CommandResult:
     """Run ``command`` (a bash command line, or an argv) in ``cwd`` under ``limits``; never raises for what the
-    command does (only for a missing ``cwd``)."""
+    command does (only for a missing ``cwd``). ``read_only``: directories the command must see even where a
+    private tmpfs covers them (a checkout of tracekit under /tmp); they stay read-only."""
     cwd = Path(cwd)
     if not cwd.is_dir():
         raise FileNotFoundError(f"no working directory {cwd}")
@@ -182,7 +183,8 @@ def run(command: str | list[str], cwd: Path, limits: CommandLimits = CommandLimi
     lim = [str(limits.cpu_seconds), str(limits.memory_bytes), str(limits.file_bytes), str(limits.processes)]
     if ns:
         full = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-                sys.executable, "-I", "-S", "-B", str(JAIL), str(cwd), *lim, "--", *argv]
+                sys.executable, "-I", "-S", "-B", str(JAIL), str(cwd), *lim, *map(str, read_only), "--",
+                *argv]
         preexec = None
     else:
         full = argv
