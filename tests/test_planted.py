@@ -177,6 +177,13 @@ def test_planted_pipeline_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     rows = run_grid(ov, seeds=[0], deltas=(0.0, 0.2), rhos=(0.0,), run_root=tmp_path / "score")
     assert rows[0]["planted"] == WEAK and rows[1]["computed"] in ([], ["select"])
     assert "rollout" in rows[0]["computed"] and "label" in rows[0]["computed"]
+    by_env = rows[0]["base_success_by_env"]
+    assert sorted(by_env) == sorted(f"tau2_{c}" for c in STRONG + WEAK)
+    assert sum(n for _, n in by_env.values()) == rows[0]["n_trajectories"]
+    assert sum(a for a, _ in by_env.values()) == rows[0]["n_success"]
+    from tracekit.planted.score import render
+
+    assert "The base agent per environment" in render(rows, tmp_path / "scored")["md"].read_text()
     record = json.loads(next((tmp_path / "cache" / "planted").glob("*/planted.json")).read_text())
     assert record["planted_set"] == WEAK and record["spec"]["seed"] == 0
     assert {c: r["succeeded"] for c, r in record["demonstrations"].items()} == {c: 1 for c in STRONG + WEAK}

@@ -85,6 +85,8 @@ def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] =
                 computed = sorted({a["stage"] for a in record.artifacts.values() if not a["cache_hit"]})
                 if not first and set(computed) - {"select"}:
                     raise RuntimeError(f"seed {seed} delta {d} rho {r}: recomputed {computed}, not select alone")
+                if first:
+                    by_env = base_success_by_env(StageCache(cfg.paths.cache_dir), record)
                 first = False
                 sel_art = next(a for a in record.artifacts.values() if a["stage"] == "select")
                 selection = read_json(Path(sel_art["path"]) / "selected.json")
@@ -96,10 +98,24 @@ def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] =
                              "candidates": {c["name"]: {"mean_delta": c["mean_delta"], "mean_cov": c["mean_cov"],
                                                         "selection_count": c["selection_count"]}
                                             for c in selection["candidates"]},
-                             "seconds": round(time.time() - t0, 2)})
+                             "base_success_by_env": by_env, "seconds": round(time.time() - t0, 2)})
                 log.info("seed %d delta %.2f rho %.2f: selected %s (P %s, R %.2f), computed %s", seed, d, r, selected,
                          "n/a" if p is None else f"{p:.2f}", rec, computed)
     return rows
+
+
+def base_success_by_env(cache: Any, record: Any) -> dict[str, list[int]]:
+    """{environment: [successes, episodes]} of the run's base rollout: whether the warm start made the strong
+    capabilities strong and left the planted ones weak."""
+    from tracekit.stages import trajectories_of
+
+    art = next(a for a in record.artifacts.values() if a["stage"] == "rollout")
+    counts: dict[str, list[int]] = {}
+    for t in trajectories_of(cache.lookup("rollout", art["key"])):
+        c = counts.setdefault(t.env, [0, 0])
+        c[0] += int(t.success)
+        c[1] += 1
+    return dict(sorted(counts.items()))
 
 
 def _fmt(v: float | None) -> str:
@@ -149,6 +165,12 @@ def render(rows: list[dict[str, Any]], out: Path, title: str = "") -> dict[str, 
             md.append(f"| {seed} | {name}{' (planted)' if name in planted else ''} | {_fmt(c['mean_delta'])} | "
                       f"{_fmt(c['mean_cov'])} |")
         md.append(f"| {seed} | ({first['n_success']}/{first['n_trajectories']} trajectories successful) | | |")
+    md += ["", "## The base agent per environment (successful / episodes of each seed's rollout)", "",
+           "| seed | " + " | ".join(rows[0]["base_success_by_env"]) + " |",
+           "|---|" + "---|" * len(rows[0]["base_success_by_env"])]
+    for seed in seeds:
+        first = next(x for x in rows if x["seed"] == seed)
+        md.append(f"| {seed} | " + " | ".join(f"{a}/{n}" for a, n in first["base_success_by_env"].values()) + " |")
     paths = {"md": out / "planted_analysis.md", "csv": out / "planted_analysis.csv", "png": out / "planted_analysis.png"}
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     buf = io.StringIO()
