@@ -15,10 +15,12 @@ from tracekit.moe.gate import (
     as_examples,
     collate,
     evaluate_ce,
+    heldout_measures,
     load_balancing_loss,
     mix_uniformly,
     response_ce,
     routing_loss,
+    routing_usage,
     train_gates,
     write_log_csv,
 )
@@ -156,6 +158,22 @@ def test_routing_loss_is_mean_over_blocks(specialists):
     assert lb.item() == pytest.approx(torch.stack(per_block).mean().item())
     assert stats["lb/L0"] == pytest.approx(per_block[0].item())
     assert stats["usage/L1/pattern0"] + stats["usage/L1/pattern1"] == pytest.approx(1.0)
+
+
+def test_heldout_measures_match_separate_passes(specialists):
+    """The compose report's one-pass numbers equal the separate evaluations: CE under inference routing and
+    under the training mixture, and the routing usage over all examples and per group."""
+    moe = _moe(specialists, gate_init_std=1.0, seed=3, top_k=1)
+    groups = {"a": _examples(_pattern(0, 3, 40)), "b": _examples(_pattern(1, 2, 41)) + [GateExample([3, 4, 5], [0, 1, 1])]}
+    every = groups["a"] + groups["b"]
+    got = heldout_measures(moe, groups, batch_size=2, chunk=5)
+    assert got["ce_inference"] == pytest.approx(evaluate_ce(moe, every, moe.spec, batch_size=4), rel=1e-5)
+    assert got["ce_training"] == pytest.approx(evaluate_ce(moe, every, moe.training_spec, batch_size=4), rel=1e-5)
+    assert got["ce_inference"] != pytest.approx(got["ce_training"], rel=1e-3)  # top-1 vs the mixture: distinct
+    assert got["usage"] == pytest.approx(routing_usage(moe, every, moe.spec, batch_size=3)["mean"])
+    for name, items in groups.items():
+        assert got["usage_by_capability"][name] == pytest.approx(routing_usage(moe, items, moe.spec)["mean"])
+    assert 0 < got["usage"]["pattern0"] < 1
 
 
 def test_gate_training_beats_uniform_gate_on_held_out(specialists, tmp_path):

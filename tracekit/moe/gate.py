@@ -278,6 +278,24 @@ def split_heldout(
     return train, held
 
 
+def _count_routes(model: LoRAMoEModel, batch: Mapping[str, torch.Tensor], counts: dict[int, torch.Tensor]) -> int:
+    """Add the latest forward's top gate slot per response token (``loss_mask == 1``) and block to ``counts``;
+    the tokens counted."""
+    sel = (batch["loss_mask"] * batch["attention_mask"]).reshape(-1).bool()
+    for b, probs in model.gate_probs().items():
+        c = torch.bincount(probs[sel.to(probs.device)].argmax(-1), minlength=len(model.slot_names)).cpu()
+        counts[b] = counts[b] + c if b in counts else c
+    return int(sel.sum())
+
+
+def _usage(model: LoRAMoEModel, counts: Mapping[int, torch.Tensor], tokens: int) -> dict[str, Any]:
+    if tokens == 0:
+        raise ValueError("no response tokens to route")
+    per_block = {b: {n: float(v) / tokens for n, v in zip(model.slot_names, c.tolist())} for b, c in sorted(counts.items())}
+    mean = {n: sum(pb[n] for pb in per_block.values()) / len(per_block) for n in model.slot_names}
+    return {"mean": mean, "per_block": per_block, "tokens": tokens}
+
+
 @torch.no_grad()
 def routing_usage(
     model: LoRAMoEModel,
@@ -292,22 +310,55 @@ def routing_usage(
     data = as_examples(examples)
     counts: dict[int, torch.Tensor] = {}
     tokens = 0
+    device = model.model.get_output_embeddings().weight.device
     with model.routing(spec or model.spec):
         for s in range(0, len(data), batch_size):
             batch = collate(data[s : s + batch_size], pad_id)
-            model(input_ids=batch["input_ids"].to(model.model.get_output_embeddings().weight.device),
-                  attention_mask=batch["attention_mask"].to(model.model.get_output_embeddings().weight.device))
-            sel = (batch["loss_mask"] * batch["attention_mask"]).reshape(-1).bool()
-            tokens += int(sel.sum())
-            for b, probs in model.gate_probs().items():
-                top = probs[sel.to(probs.device)].argmax(-1)
-                c = torch.bincount(top, minlength=len(model.slot_names)).cpu()
-                counts[b] = counts[b] + c if b in counts else c
-    if tokens == 0:
-        raise ValueError("no response tokens to route")
-    per_block = {b: {n: float(v) / tokens for n, v in zip(model.slot_names, c.tolist())} for b, c in sorted(counts.items())}
-    mean = {n: sum(pb[n] for pb in per_block.values()) / len(per_block) for n in model.slot_names}
-    return {"mean": mean, "per_block": per_block, "tokens": tokens}
+            # the decoder stack alone: the gates sit in its blocks, the vocabulary logits are not needed
+            model.model.model(input_ids=batch["input_ids"].to(device),
+                              attention_mask=batch["attention_mask"].to(device), use_cache=False)
+            tokens += _count_routes(model, batch, counts)
+    return _usage(model, counts, tokens)
+
+
+@torch.no_grad()
+def heldout_measures(
+    model: LoRAMoEModel,
+    groups: Mapping[str, Sequence[GateExample]],
+    batch_size: int = 8,
+    chunk: int = 1024,
+    pad_id: int = 0,
+) -> dict[str, Any]:
+    """The compose report's numbers on held-out examples (``groups``: per capability): response CE under the
+    inference routing (``ce_inference``) and under the training mixture (``ce_training``), and the inference
+    routing's usage, over all examples (``usage``) and per capability (``usage_by_capability``). Two decoder
+    passes per example: the usage is read from the gates of the inference-CE pass."""
+    counts: dict[int, torch.Tensor] = {}
+    by_capability: dict[str, dict[str, float]] = {}
+    ce_sum = 0.0
+    ce_tokens = route_tokens = 0
+    with model.routing(model.spec):
+        for name, items in sorted(groups.items()):
+            data = as_examples(items)
+            mine: dict[int, torch.Tensor] = {}
+            mine_tokens = 0
+            for s in range(0, len(data), batch_size):
+                batch = collate(data[s : s + batch_size], pad_id)
+                ce, n = response_ce(model, batch, chunk)
+                ce_sum += float(ce) * n
+                ce_tokens += n
+                mine_tokens += _count_routes(model, batch, mine)
+            if mine_tokens:
+                by_capability[name] = _usage(model, mine, mine_tokens)["mean"]
+                for b, c in mine.items():
+                    counts[b] = counts[b] + c if b in counts else c
+                route_tokens += mine_tokens
+    if ce_tokens == 0:
+        raise ValueError("no response tokens to evaluate")
+    everything = [ex for _, items in sorted(groups.items()) for ex in items]
+    return {"ce_inference": ce_sum / ce_tokens,
+            "ce_training": evaluate_ce(model, everything, model.training_spec, batch_size, chunk, pad_id),
+            "usage": _usage(model, counts, route_tokens)["mean"], "usage_by_capability": by_capability}
 
 
 def write_log_csv(rows: Sequence[Mapping[str, float]], path: str | Path) -> None:

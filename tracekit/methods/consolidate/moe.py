@@ -31,9 +31,8 @@ class LoRAMoE(Strategy):
         from tracekit.llm.backbones import load_backbone
         from tracekit.moe.gate import (
             GateTrainConfig,
-            evaluate_ce,
+            heldout_measures,
             mix_uniformly,
-            routing_usage,
             split_heldout,
             train_gates,
             write_log_csv,
@@ -62,15 +61,8 @@ class LoRAMoE(Strategy):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
         def measure() -> dict[str, Any]:
-            if not held:
-                return {}
-            out: dict[str, Any] = {
-                "ce_inference": evaluate_ce(model, held, model.spec, m.batch_size, m.ce_chunk, pad),
-                "ce_training": evaluate_ce(model, held, model.training_spec, m.batch_size, m.ce_chunk, pad),
-                "usage": routing_usage(model, held, model.spec, m.batch_size, pad)["mean"],
-                "usage_by_capability": {cap: routing_usage(model, ex, model.spec, m.batch_size, pad)["mean"]
-                                        for cap, ex in sorted(held_groups.items()) if ex}}
-            return out
+            groups = {cap: ex for cap, ex in held_groups.items() if ex}
+            return heldout_measures(model, groups, m.batch_size, m.ce_chunk, pad) if groups else {}
 
         before = measure()
         log_rows = train_gates(model, examples, GateTrainConfig(
