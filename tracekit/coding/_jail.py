@@ -71,7 +71,11 @@ def main() -> int:
     real_cwd = os.path.realpath(cwd)
     covered = [os.path.realpath(t) for t in OVERLAYS if os.path.isdir(t) and not _inside(real_cwd, os.path.realpath(t))]
     keep = [p for p in dict.fromkeys(os.path.realpath(d) for d in read_only) if any(_inside(p, t) for t in covered)]
-    held = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
+    try:  # held open: the tmpfs about to cover them hides their paths
+        held = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
+    except OSError as e:
+        print(f"jail: cannot keep {e.filename} visible: {e.strerror}", file=sys.stderr)
+        return 125
     for target in covered:
         if libc.mount(b"tmpfs", target.encode(), b"tmpfs", 0, b"mode=1777,size=268435456") != 0:
             print(f"jail: cannot mount tmpfs on {target} (errno {ctypes.get_errno()})", file=sys.stderr)

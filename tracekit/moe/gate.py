@@ -340,19 +340,19 @@ def heldout_measures(
     with model.routing(model.spec):
         for name, items in sorted(groups.items()):
             data = as_examples(items)
-            mine: dict[int, torch.Tensor] = {}
-            mine_tokens = 0
+            group_counts: dict[int, torch.Tensor] = {}
+            group_tokens = 0
             for s in range(0, len(data), batch_size):
                 batch = collate(data[s : s + batch_size], pad_id)
                 ce, n = response_ce(model, batch, chunk)
                 ce_sum += float(ce) * n
                 ce_tokens += n
-                mine_tokens += _count_routes(model, batch, mine)
-            if mine_tokens:
-                by_capability[name] = _usage(model, mine, mine_tokens)["mean"]
-                for b, c in mine.items():
+                group_tokens += _count_routes(model, batch, group_counts)
+            if group_tokens:
+                by_capability[name] = _usage(model, group_counts, group_tokens)["mean"]
+                for b, c in group_counts.items():
                     counts[b] = counts[b] + c if b in counts else c
-                route_tokens += mine_tokens
+                route_tokens += group_tokens
     if ce_tokens == 0:
         raise ValueError("no response tokens to evaluate")
     everything = [ex for _, items in sorted(groups.items()) for ex in items]
