@@ -16,11 +16,17 @@ import copy
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 from tracekit.artifacts import COMPLETE, Artifact, atomic_write_json, read_json
 from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
 from tracekit.methods.target_train import (
-    matched_iterations, refuse_without_training_split, trace_episodes, train_suite_reads, train_suite_spec,
+    matched_iterations,
+    refuse_without_training_split,
+    trace_episodes,
+    train_suite_reads,
+    train_suite_spec,
 )
 from tracekit.pipeline import Stage
 
@@ -38,28 +44,41 @@ def stage_inputs(cfg):
     return ("train",) if cfg.baselines.grpo_target.episodes is None else ()
 
 
-def grpo_target_stage(ctx) -> None:
+def train_on_target(ctx, name: str, settings: Any, spec_for: Callable[[int], dict[str, Any]],
+                    cache_dir: str | None = None) -> dict[str, Any]:
+    """GRPO on the target's training tasks at the matched budget (``settings``: a ``baselines.<method>`` group
+    with ``episodes`` and ``checkpoint_iterations``; ``spec_for(iterations)``: the training suite's spec). The
+    result record: the adapter, the budget and the kept checkpoints."""
     from tracekit.rl.launch import Factory
-    from tracekit.stages import grpo_run, train_seeds
+    from tracekit.stages import grpo_run
 
-    cfg, s = ctx.cfg, ctx.cfg.baselines.grpo_target
-    matched = trace_episodes(ctx.inputs["train"]) if s.episodes is None else None
-    episodes = s.episodes if s.episodes is not None else matched
+    cfg = ctx.cfg
+    matched = trace_episodes(ctx.inputs["train"]) if settings.episodes is None else None
+    episodes = settings.episodes if settings.episodes is not None else matched
     iterations = matched_iterations(cfg, episodes)
-    every = s.checkpoint_iterations or cfg.grpo.iterations
+    every = settings.checkpoint_iterations or cfg.grpo.iterations
     run_cfg = copy.deepcopy(cfg)  # keep a checkpoint every `every` iterations, all of them (Figure 4b)
     run_cfg.grpo.checkpoint_every = every
     run_cfg.grpo.keep_checkpoints = math.ceil(iterations / every) + 1
-    n_per_env = s.train_limit or len(train_seeds(cfg, iterations))  # synthetic: a fresh instance per group
-    spec = train_suite_spec(cfg, n_per_env=n_per_env, limit=s.train_limit)
-    env = Factory("tracekit.methods.target_train:open_target_train", {"spec": spec})
-    art = grpo_run(dataclasses.replace(ctx, cfg=run_cfg), "grpo_target", env, {"target_train": spec},
-                   iterations=iterations)
-    budget = grpo_budget(art)
-    atomic_write_json(ctx.work_dir / RESULT, {
-        "adapter": {**art.ref(), "content_key": art.content_key}, "iterations": iterations,
-        "matched_episodes": matched, "requested_episodes": episodes, "budget": budget.to_dict(),
-        "checkpoint_every": every, "checkpoints": checkpoint_points(art), "train_suite": spec})
+    spec = spec_for(iterations)
+    env_args = {"spec": spec} if cache_dir is None else {"spec": spec, "cache_dir": cache_dir}
+    env = Factory("tracekit.methods.target_train:open_target_train", env_args)
+    art = grpo_run(dataclasses.replace(ctx, cfg=run_cfg), name, env, {"target_train": spec}, iterations=iterations)
+    return {"adapter": {**art.ref(), "content_key": art.content_key}, "iterations": iterations,
+            "matched_episodes": matched, "requested_episodes": episodes, "budget": grpo_budget(art).to_dict(),
+            "checkpoint_every": every, "checkpoints": checkpoint_points(art), "train_suite": spec}
+
+
+def grpo_target_stage(ctx) -> None:
+    from tracekit.stages import train_seeds
+
+    cfg, s = ctx.cfg, ctx.cfg.baselines.grpo_target
+
+    def spec_for(iterations: int) -> dict[str, Any]:
+        n_per_env = s.train_limit or len(train_seeds(cfg, iterations))  # synthetic: a fresh instance per group
+        return train_suite_spec(cfg, n_per_env=n_per_env, limit=s.train_limit)
+
+    atomic_write_json(ctx.work_dir / RESULT, train_on_target(ctx, "grpo_target", s, spec_for))
 
 
 def grpo_target_report(art: Artifact, ctx) -> None:

@@ -17,8 +17,6 @@ GRPO episodes unless ``baselines.swe_rl.episodes`` is set), engine and LoRA are 
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import difflib
 from collections.abc import Mapping
 
@@ -95,33 +93,13 @@ def stage_inputs(cfg):
 
 
 def swe_rl_stage(ctx) -> None:
-    from tracekit.methods.grpo_target import checkpoint_points
-    from tracekit.methods.target_train import (
-        matched_iterations,
-        trace_episodes,
-        train_suite_spec,
-    )
-    from tracekit.rl.launch import Factory
-    from tracekit.stages import grpo_run
+    from tracekit.methods.grpo_target import train_on_target
+    from tracekit.methods.target_train import train_suite_spec
 
     cfg, s = ctx.cfg, ctx.cfg.baselines.swe_rl
-    matched = trace_episodes(ctx.inputs["train"]) if s.episodes is None else None
-    episodes = s.episodes if s.episodes is not None else matched
-    iterations = matched_iterations(cfg, episodes)
-    every = s.checkpoint_iterations or cfg.grpo.iterations
-    run_cfg = copy.deepcopy(cfg)
-    run_cfg.grpo.checkpoint_every = every
-    run_cfg.grpo.keep_checkpoints = -(-iterations // every) + 1
-    spec = {**train_suite_spec(cfg, limit=s.train_limit), "reward": "swe_rl"}
-    env = Factory("tracekit.methods.target_train:open_target_train",
-                  {"spec": spec, "cache_dir": str(cfg.paths.cache_dir)})
-    art = grpo_run(dataclasses.replace(ctx, cfg=run_cfg), "swe_rl", env, {"target_train": spec},
-                   iterations=iterations)
-    budget = grpo_budget(art)
-    atomic_write_json(ctx.work_dir / RESULT, {
-        "adapter": {**art.ref(), "content_key": art.content_key}, "iterations": iterations,
-        "matched_episodes": matched, "requested_episodes": episodes, "budget": budget.to_dict(),
-        "checkpoints": checkpoint_points(art), "train_suite": spec})
+    record = train_on_target(ctx, "swe_rl", s, lambda _: {**train_suite_spec(cfg, limit=s.train_limit), "reward": "swe_rl"},
+                             cache_dir=str(cfg.paths.cache_dir))
+    atomic_write_json(ctx.work_dir / RESULT, record)
 
 
 def swe_rl_report(art: Artifact, ctx) -> None:
