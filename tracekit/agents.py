@@ -47,6 +47,10 @@ class Agent(ABC):
         """Prompt length in the agent's tokens; None = the agent has no context limit (no model)."""
         return None
 
+    def clear_prefix_cache(self) -> dict[str, int]:
+        """Forget prompt prefixes the agent's model keeps between calls (:meth:`ChatClient.clear_prefix_cache`)."""
+        return {}
+
     def close(self) -> None:
         """Release resources."""
 
@@ -122,6 +126,9 @@ class LLMAgent(Agent):
 
     def count_tokens(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> int:
         return self.client.count_tokens(self.with_suffix(messages), tools)
+
+    def clear_prefix_cache(self) -> dict[str, int]:
+        return self.client.clear_prefix_cache()
 
     def close(self) -> None:
         self.client.close()

@@ -78,6 +78,7 @@ class AgentConfig:
     tool_choice: str = "auto"  # auto (text or a call) | required (every turn a call; needs constrained_tool_calls)
     copy_ids: bool = False  # narrow id arguments to ids seen in the conversation (needs constrained_tool_calls)
     batch_size: int = 8
+    prefix_cache_mib: float = 1024  # in-process models: K/V of prompt prefixes kept for reuse (0: off)
 
 
 @dataclass
@@ -352,7 +353,7 @@ def register_configs() -> None:
 # optional; a list field: each element)
 RANGES: dict[str, str] = {
     "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
-    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1",
+    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": ">= 0",
     "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
     "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
     "analysis.temperature": "[0, 2]", "analysis.capabilities_per_call": ">= 0", "analysis.max_retries": ">= 0",

@@ -95,6 +95,8 @@ class RolloutSummary:
     mean_reward: float = 0.0
     success_rate: float = 0.0
     seconds: float = 0.0
+    # in-process agents: prompt tokens this call's episodes sent and tokens actually prefilled (prefix reuse)
+    prefix_cache: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,16 +181,26 @@ def run_rollouts(
         n = agent.count_tokens(r.messages, r.tools)
         return n is None or n + agent.max_new_tokens <= context_budget
 
-    with JsonlAppender(path) as sink, tqdm(total=len(pending), desc=f"rollout {suite.name}", disable=not progress) as bar:
-        for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=batch_size, fits=fits):
-            traj = r.trajectory(suite.name)
-            traj.tokens = single_token_record(r.turns)  # evaluation files carry the one exact sequence, where it exists
-            sink.append(traj)
-            done[(traj.task_id, traj.sample)] = traj
-            ran += 1
-            bar.update(1)
+    # prompt prefixes are reused within this rollout only: its episodes decode the same whatever ran before
+    agent.clear_prefix_cache()
+    try:
+        with JsonlAppender(path) as sink, tqdm(total=len(pending), desc=f"rollout {suite.name}", disable=not progress) as bar:
+            for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=batch_size, fits=fits):
+                traj = r.trajectory(suite.name)
+                traj.tokens = single_token_record(r.turns)  # evaluation files carry the one exact sequence, where it exists
+                sink.append(traj)
+                done[(traj.task_id, traj.sample)] = traj
+                ran += 1
+                bar.update(1)
+    finally:
+        reuse = agent.clear_prefix_cache()
+    if reuse.get("prompt_tokens"):
+        log.info("rollout %s: prefilled %d tokens for %d prompt tokens (%.0f%% reused from cached prefixes)", suite.name,
+                 reuse["prefilled_tokens"], reuse["prompt_tokens"], 100 * (1 - reuse["prefilled_tokens"] / reuse["prompt_tokens"]))
 
-    return _summary(path, wanted, done, resumed, ran, time.time() - t_start)
+    summary = _summary(path, wanted, done, resumed, ran, time.time() - t_start)
+    summary.prefix_cache = reuse
+    return summary
 
 
 def _act(agent: Agent, states: list[AgentState]) -> list[ChatResponse | Exception]:

@@ -83,8 +83,9 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
         spec = {"kind": "hf", "backbone": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg),
                 "adapter": adapter, "moe": moe, "max_batch_size": cfg.agent.batch_size,
                 "constrained_tool_calls": cfg.agent.constrained_tool_calls if role == "agent" else False}
-        if role == "agent":
-            spec.update(tool_choice=cfg.agent.tool_choice, copy_ids=cfg.agent.copy_ids)
+        if role == "agent":  # prefixes: only the agent's, which each rollout clears (the other roles' would carry over)
+            spec.update(tool_choice=cfg.agent.tool_choice, copy_ids=cfg.agent.copy_ids,
+                        prefix_cache_mib=cfg.agent.prefix_cache_mib)
     else:
         key_env = ep.pop("api_key_env", None)
         spec = {"kind": "openai", "base_url": ep["base_url"], "model": ep["model"], "timeout_s": ep["timeout_s"],
@@ -305,7 +306,7 @@ def synthesis_target(cfg: DictConfig) -> str:
 
 # grpo.engine=agent: the HFChatClient options it takes from the agent config (client option: agent key)
 _AGENT_ENGINE_KEYS = {"constrained_tool_calls": "constrained_tool_calls", "tool_choice": "tool_choice",
-                      "copy_ids": "copy_ids", "max_batch_size": "batch_size"}
+                      "copy_ids": "copy_ids", "max_batch_size": "batch_size", "prefix_cache_mib": "prefix_cache_mib"}
 AGENT_ENGINE_READS = tuple(f"agent.{k}" for k in _AGENT_ENGINE_KEYS.values())
 
 

@@ -40,6 +40,7 @@ _HF_KEYS = {
     "max_context_tokens",
     "max_whitespace",
     "torch_threads",
+    "prefix_cache_mib",
 }
 _OPENAI_KEYS = {
     "base_url",

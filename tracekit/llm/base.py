@@ -53,5 +53,10 @@ class ChatClient(ABC):
         text = "".join((m.content or "") + str([c.arguments for c in m.tool_calls]) for m in messages)
         return len(text) // 4 + (len(str(tools)) // 4 if tools else 0)
 
+    def clear_prefix_cache(self) -> dict[str, int]:
+        """Forget prompt prefixes kept between calls; -> prompt tokens decoded and tokens prefilled since the last
+        clear (empty: this client keeps none)."""
+        return {}
+
     def close(self) -> None:
         """Release resources (servers, sessions)."""

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason
+from tracekit.llm.prefix_cache import PrefixStore, batch_shared_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +408,11 @@ class FastDecoder:
     experts' LoRA (peft ``target_parameters``) per (token, expert) pair, on the base weights in place
     (:class:`~tracekit.llm.moe_experts.FusedExperts`), graph-capturable; ``module``: the block's own
     forward (peft then materialises every expert's adapted weight per call; no CUDA graphs).
+    ``prefix_cache_mib``: keep the K/V of prefilled sequences (up to this many MiB, on the cache's device) and
+    copy them into later prompts that start with the same tokens (:mod:`tracekit.llm.prefix_cache`; 0: off).
+    A session's prefill first computes once each prefix its prompts share (a GRPO group, one environment's
+    system prompt), then only what no stored sequence covers; :meth:`FastSession.remember` stores a finished
+    batch's rows (prompt + answer) for the episode's next turn. ``refresh`` (new weights) forgets them all.
     """
 
     def __init__(
@@ -419,7 +425,10 @@ class FastDecoder:
         attention: str = "sdpa",
         compile_layers: bool = False,
         moe: str = "auto",
+        prefix_cache_mib: float = 0,
     ):
+        if prefix_cache_mib < 0:
+            raise ValueError(f"prefix_cache_mib must be >= 0, got {prefix_cache_mib}")
         if moe not in ("auto", "fused", "module"):
             raise ValueError(f"moe must be auto, fused or module, got {moe!r}")
         if attention not in ("sdpa", "bmm"):
@@ -483,6 +492,7 @@ class FastDecoder:
         self.v: list[torch.Tensor] = []
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self.prefixes = PrefixStore(int(prefix_cache_mib * 2**20)) if prefix_cache_mib > 0 else None
 
     # ---- weights ---------------------------------------------------------------------------
     def _version_key(self) -> int:
@@ -500,7 +510,10 @@ class FastDecoder:
             ]
 
     def refresh(self) -> None:
-        """Re-merge every adapted weight into the working copies (after an optimizer update)."""
+        """Re-merge every adapted weight into the working copies (after an optimizer update); stored
+        prefixes were computed with the old weights and are forgotten."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
         with torch.no_grad():
             for f in self._fused:
                 f.refresh()
@@ -538,12 +551,68 @@ class FastDecoder:
         self.slots = torch.arange(s, device=self.dev)
         self.cap_b, self.cap_s = b, s
 
+    # ---- prefill (with stored prefixes) ----------------------------------------------------
+    def prefill(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Prefill the left-padded ``prompts`` (``ids`` [R, W] with ``attn`` a bool mask and ``pos`` positions;
+        rows past the prompts are graph dummy rows, never active, left uncomputed) into cache rows [0, R) ->
+        the last slot's hidden state [len(prompts), H].
+
+        Without a prefix store: every slot of every row, in chunks. With one, each row first gets the K/V of its
+        longest stored prefix (its last token is always computed: its logits start the decode); the rows are then
+        cut into contiguous runs, each computed from the first slot one of its rows still needs
+        (:func:`_prefill_runs`), so one row that reuses nothing does not make the others recompute what they reuse.
+        """
+        R, W = ids.shape
+        B = len(prompts)
+        self.valid[:R].zero_()
+        self.valid[:R, :W] = attn
+        runs = [(0, B, 0)]
+        if self.prefixes is not None:
+            starts = [W - len(p) for p in prompts]
+            needed = []
+            for r, (p, start) in enumerate(zip(prompts, starts)):
+                entry, n = self.prefixes.lookup(p, limit=len(p) - 1)
+                if entry is not None:
+                    for kc, vc, ek, ev in zip(self.k, self.v, entry.k, entry.v):
+                        kc[r, :, start : start + n] = ek[:, :n]
+                        vc[r, :, start : start + n] = ev[:, :n]
+                needed.append(start + n)
+            runs = _prefill_runs(needed, W)
+            self.prefixes.prefilled_tokens += sum(W - max(first, starts[r]) for a, b, first in runs for r in range(a, b))
+        hidden = torch.empty((B, self.head.weight.shape[1]), dtype=self.dtype, device=self.dev)
+        for a, b, first in runs:
+            for s in range(first, W, self.prefill_chunk):
+                e = min(W, s + self.prefill_chunk)
+                h = self.forward(ids[a:b, s:e], pos[a:b, s:e], torch.tensor([s], device=self.dev), e, row0=a)
+            hidden[a:b] = h
+        return hidden
+
+    def prefill_shared(self, prompts: Sequence[Sequence[int]], pad_id: int) -> None:
+        """Prefill and store, once each, the prefixes the prompts share that no stored sequence covers yet
+        (:func:`~tracekit.llm.prefix_cache.batch_shared_prefixes`), so that the batch's own prefill reuses them."""
+        have = [self.prefixes.longest(p, len(p) - 1)[1] for p in prompts]
+        shared = batch_shared_prefixes(prompts, have, _MIN_SHARED_PREFIX)
+        if not shared:
+            return
+        ids, attn = left_pad(shared, pad_id)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        self.prefill(ids.to(self.dev), attn.to(self.dev).bool(), pos.to(self.dev), shared)
+        self.store_rows(shared, [ids.shape[1] - len(p) for p in shared])
+
+    def store_rows(self, seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+        """Store row r's sequence ``seqs[r]`` whose K/V fill cache slots ``starts[r] ..`` (copies)."""
+        for r, (seq, start) in enumerate(zip(seqs, starts)):
+            end = start + len(seq)
+            self.prefixes.add(seq, lambda r=r, start=start, end=end: (
+                [k[r, :, start:end].clone() for k in self.k], [v[r, :, start:end].clone() for v in self.v]))
+
     # ---- the forward -----------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot0: torch.Tensor, span: int) -> torch.Tensor:
-        """Run c new tokens per row through every layer; write their K/V at slots slot0..slot0+c-1.
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot0: torch.Tensor, span: int, row0: int = 0) -> torch.Tensor:
+        """Run c new tokens per row through every layer; write their K/V at slots slot0..slot0+c-1 of cache rows
+        row0..row0+B-1.
 
         ids, pos: [B, c] long; slot0: [1] long (a tensor, so a captured graph reads it at replay);
-        span: attended slots [0, span) (>= slot0 + c). Needs ``valid[:B, slots]`` set for the new
+        span: attended slots [0, span) (>= slot0 + c). Needs ``valid[row0:row0 + B, slots]`` set for the new
         tokens. -> final normed hidden state of the last token [B, H].
 
         Few kernels per layer (each costs microseconds at decode sizes, whatever its work): fused
@@ -556,7 +625,8 @@ class FastDecoder:
         new = slot0 + torch.arange(c, device=ids.device)  # [c]
         keys = self.slots[:span]
         # mask[b, i, j]: key j is a real token of row b at or before query i, or is query i itself
-        mask = (self.valid[:B, None, :span] & (keys[None, None, :] <= new[None, :, None])) | (keys[None, None, :] == new[None, :, None])
+        valid = self.valid[row0 : row0 + B]
+        mask = (valid[:, None, :span] & (keys[None, None, :] <= new[None, :, None])) | (keys[None, None, :] == new[None, :, None])
         mask = mask[:, None] if c == 1 else mask.repeat(1, G, 1)[:, None]  # [B, 1, G*c or 1, span]
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         if self.attention == "bmm" and c == 1:  # the GEMM epilogue's [B * Hkv, G, span] bias, built once per step
@@ -571,7 +641,7 @@ class FastDecoder:
         for i, layer in enumerate(self.layers):
             ln, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             qkv, o, qkn = self.qkv[i], self.o[i], None if self.qk_norm is None else self.qk_norm[i]
-            kc, vc = self.k[i][:B], self.v[i][:B]
+            kc, vc = self.k[i][row0 : row0 + B], self.v[i][row0 : row0 + B]
             attn = (ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, kc, vc, new, cos, sin_signed, bias, self.shape)
             if self.gu[i] is None:  # a MoE block: fused experts, or its own module
                 x = _attention_block(x, *attn)
@@ -604,6 +674,32 @@ class FastDecoder:
         return FastSession(self, prompts, pad_id, max_new_tokens)
 
 
+_MIN_SHARED_PREFIX = 16  # tokens a shared prefix must save to be prefilled on its own first
+_RUN_COST = 32  # a prefill run's fixed cost, in token rows (its forward calls' per-kernel overhead)
+
+
+def _prefill_runs(needed: Sequence[int], width: int) -> list[tuple[int, int, int]]:
+    """Cut rows into contiguous runs ``(a, b, first)``, each prefilled from slot ``first`` = the smallest
+    ``needed[r]`` (row r's first slot without reused K/V) of its rows to ``width``, minimising the token rows
+    computed plus :data:`_RUN_COST` per run (dynamic programming over the cut points)."""
+    n = len(needed)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of rows [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        first = width
+        for i in range(j - 1, -1, -1):  # run [i, j)
+            first = min(first, needed[i])
+            cost = best[i] + (j - i) * (width - first) + _RUN_COST
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        i = cut[j]
+        runs.append((i, j, min(needed[i:j])))
+        j = i
+    return runs[::-1]
+
+
 def _batch_bucket(b: int) -> int:
     """Graph batch sizes: 1, 2, 4, 8, then multiples of 8 (few captures, little padding)."""
     if b <= 8:
@@ -622,6 +718,8 @@ class FastSession:
         self.dec = dec
         self.dev = dec.dev
         self.batch = len(prompts)
+        self.prompts = [list(p) for p in prompts]
+        self.pad_id = pad_id
         self.graphed = dec.cuda_graphs
         rows = _batch_bucket(self.batch) if self.graphed else self.batch
         ids, attn = left_pad(list(prompts) + [[pad_id]] * (rows - self.batch), pad_id)
@@ -641,14 +739,25 @@ class FastSession:
     @torch.inference_mode()
     def prefill(self) -> torch.Tensor:
         d = self.dec
-        d.valid[: self.rows].zero_()
-        d.valid[: self.rows, : self.width] = self.attn
-        chunk = d.prefill_chunk
-        for s in range(0, self.width, chunk):
-            e = min(self.width, s + chunk)
-            slot0 = torch.tensor([s], device=d.dev)
-            hidden = d.forward(self.ids[:, s:e], self.pos[:, s:e], slot0, e)
-        return d.logits(hidden)[: self.batch]
+        if d.prefixes is not None:
+            d.prefixes.prompt_tokens += sum(map(len, self.prompts))
+            d.prefill_shared(self.prompts, self.pad_id)
+        return d.logits(d.prefill(self.ids, self.attn, self.pos, self.prompts))[: self.batch]
+
+    @torch.inference_mode()
+    def remember(self, seqs: Sequence[Sequence[int]]) -> None:
+        """Store each row's sequence (its prompt, then tokens fed by :meth:`step` since) in the decoder's prefix
+        store, for a later prompt that continues it (an episode's next turn). No-op without a store."""
+        d = self.dec
+        if d.prefixes is None:
+            return
+        if len(seqs) != self.batch:
+            raise ValueError(f"remember: {len(seqs)} sequences for a batch of {self.batch}")
+        starts = [self.width - len(p) for p in self.prompts]
+        for r, (seq, prompt, start) in enumerate(zip(seqs, self.prompts, starts)):
+            if list(seq[: len(prompt)]) != prompt or start + len(seq) > self.t:
+                raise ValueError(f"remember: row {r}'s sequence is not its prompt followed by at most the {self.t - self.width} tokens fed")
+        d.store_rows(seqs, starts)
 
     def _span(self) -> int:
         if not self.graphed:

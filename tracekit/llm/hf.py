@@ -26,7 +26,7 @@ import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.constrained import TOOL_CHOICES, ToolCallGrammar
-from tracekit.llm.decoding import causal_lm_of
+from tracekit.llm.decoding import FastSession, causal_lm_of
 from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text
 from tracekit.types import Message
 
@@ -116,7 +116,10 @@ class HFChatClient(ChatClient):
     ``fast``: ``auto`` decodes through ``tracekit.llm.decoding.FastDecoder`` (adapter merged into a
     working copy, re-merged when the weights' version counters move; static KV cache; CUDA graphs)
     when the architecture is supported, ``on`` requires it, ``off`` uses the model's own forward
-    (with finished rows pruned from the cache).
+    (with finished rows pruned from the cache). ``prefix_cache_mib``: the fast decoder's prompt-prefix store
+    (:mod:`tracekit.llm.prefix_cache`; 0: off): each finished batch's rows are stored, so an episode's next turn
+    and prompts sharing a system prompt skip the prefill of what they share; :meth:`clear_prefix_cache`
+    empties it (a rollout starts and ends with it empty).
     """
 
     name = "hf"
@@ -137,9 +140,12 @@ class HFChatClient(ChatClient):
         max_whitespace: int | None = 1,
         torch_threads: int | None = None,
         fast: str = "auto",
+        prefix_cache_mib: float = 0,
     ):
         if max_batch_size < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1")
+        if prefix_cache_mib < 0:
+            raise ValueError(f"prefix_cache_mib must be >= 0, got {prefix_cache_mib}")
         if fast not in ("auto", "on", "off"):
             raise ValueError(f"fast must be auto, on or off, got {fast!r}")
         if tool_choice not in TOOL_CHOICES:
@@ -164,6 +170,7 @@ class HFChatClient(ChatClient):
         self._counter = itertools.count()
         self._vocab = int(text_config.vocab_size)
         self.fast = fast
+        self.prefix_cache_mib = prefix_cache_mib
         self._decoder: Any = None  # tracekit.llm.decoding.FastDecoder, built at the first chat
         self.max_whitespace = max_whitespace
         self._grammar: ToolCallGrammar | None = None
@@ -226,6 +233,16 @@ class HFChatClient(ChatClient):
         current weights, as the first chat did."""
         self._decoder = None
 
+    def clear_prefix_cache(self) -> dict[str, int]:
+        """Forget the stored prompt prefixes; -> prompt tokens decoded and tokens prefilled since the last clear."""
+        store = getattr(self._decoder, "prefixes", None)
+        if store is None:
+            return {}
+        counts = {"prompt_tokens": store.prompt_tokens, "prefilled_tokens": store.prefilled_tokens}
+        store.clear()
+        store.prompt_tokens = store.prefilled_tokens = 0
+        return counts
+
     def _session(self, prompts: list[list[int]], max_new: int) -> Any:
         from tracekit.llm.decoding import FastDecoder, open_session, unsupported_reason
 
@@ -234,7 +251,8 @@ class HFChatClient(ChatClient):
             if reason is not None and self.fast == "on":
                 raise NotImplementedError(f"fast=on but fast decoding does not support this model: {reason}")
             if reason is None:
-                self._decoder = FastDecoder(self.model, prefill_chunk=self.prefill_chunk)
+                self._decoder = FastDecoder(self.model, prefill_chunk=self.prefill_chunk,
+                                            prefix_cache_mib=self.prefix_cache_mib)
             else:
                 log.info("HFChatClient: plain decoding (%s)", reason)
                 self.fast = "off"
@@ -250,6 +268,8 @@ class HFChatClient(ChatClient):
                 self._step(r, host[j])
             keep = [j for j, r in enumerate(active) if r.finish is None]
             if not keep:
+                if isinstance(sess, FastSession):  # every token but each row's last was fed: their K/V are cached
+                    sess.remember([r.prompt + r.tokens[:-1] for r in rows])
                 return
             if len(keep) < len(active) and sess.can_prune:
                 sess.keep(torch.tensor(keep))

@@ -73,10 +73,14 @@ def run_episodes(
         return list(resps)
 
     out: dict[EpisodeRun, Trajectory] = {}
-    for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=max(len(runs), 1)):
-        t = r.trajectory(suite.name)
-        t.info.update(group=spec_of[r].group, outcome=r.outcome_info)
-        out[r] = t
+    client.clear_prefix_cache()  # prompt prefixes are shared within these episodes only (as in a rollout)
+    try:
+        for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=max(len(runs), 1)):
+            t = r.trajectory(suite.name)
+            t.info.update(group=spec_of[r].group, outcome=r.outcome_info)
+            out[r] = t
+    finally:
+        client.clear_prefix_cache()
     return [out[r] for r in runs]
 
 
