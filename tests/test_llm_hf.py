@@ -447,3 +447,22 @@ def test_stage_clients_are_dropped_when_a_stage_loads_its_own_backbone(make_cfg)
         assert stages.client_for(cfg, "agent") is not agent  # built afresh when asked again
     finally:
         stages._CLIENTS.clear()
+
+
+def test_release_client_frees_one_role_and_keeps_the_others(make_cfg):
+    """GEPA's reflection LM (llm=local: an in-process model beside the agent's) leaves the cache when its run ends."""
+    import weakref
+
+    from tracekit import stages
+
+    cfg = make_cfg("backbone=tiny", "backbone.device=cpu", "llm=local")
+    stages._CLIENTS.clear()
+    try:
+        agent = stages.client_for(cfg, "agent")
+        reflection = weakref.ref(stages.client_for(cfg, "analysis").model)
+        assert len(stages._CLIENTS) == 2
+        stages.release_client(cfg, "analysis")
+        assert list(stages._CLIENTS.values()) == [agent] and reflection() is None  # its model is freed
+        stages.release_client(cfg, "analysis")  # not cached: nothing to do
+    finally:
+        stages._CLIENTS.clear()

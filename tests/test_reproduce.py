@@ -143,6 +143,12 @@ def test_stochastic_cells_are_mean_and_student_t_ci_and_render_beside_the_paper(
     assert csv_text.splitlines()[0].startswith("table,block,row,label") and len(csv_text.splitlines()) == 4
 
 
+def test_figure_error_bars_stop_at_zero_while_the_table_keeps_the_whole_interval():
+    # 11.1 +- 23.9 (Table 6 at scale=embedded): the bar below is cut at 0, the one above is not; no CI: no bar
+    bars = render._nonnegative_yerr([render.Value(11.1, 23.9), render.Value(40.0, 2.5), render.Value(5.0), render.NONE])
+    assert bars == [[11.1, 2.5, 0.0, 0.0], [23.9, 2.5, 0.0, 0.0]]
+
+
 def test_library_environments_fold_into_their_tau2_family():
     result = {"domains": {"tau2_tool_calling_precision": {"solved": 1, "total": 3, "mean_reward": 0.5},
                           "tau2_precondition_verification": {"solved": 0, "total": 3, "mean_reward": 0.0}}}

@@ -66,13 +66,8 @@ def dtype(cfg: DictConfig) -> str | None:
     return "bfloat16" if device(cfg) == "cuda" else "float32"
 
 
-def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str | None = None) -> Any:
-    """The chat client of an LLM role (``agent`` or a key of ``llm.endpoints``), built once per process.
-
-    ``adapter``: a peft adapter directory; ``moe``: a composed LoRA-MoE directory (agent only).
-    """
-    from tracekit.llm import make_client
-
+def _client_spec(cfg: DictConfig, role: str, adapter: str | None, moe: str | None) -> dict[str, Any]:
+    """The :func:`tracekit.llm.make_client` spec of an LLM role (its identity in the client cache)."""
     if role == "agent":
         ep: dict[str, Any] = {"kind": "hf"}
     else:
@@ -86,13 +81,24 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
         if role == "agent":  # prefixes: only the agent's, which each rollout clears (the other roles' would carry over)
             spec.update(tool_choice=cfg.agent.tool_choice, copy_ids=cfg.agent.copy_ids,
                         prefix_cache_mib=cfg.agent.prefix_cache_mib)
-    else:
-        key_env = ep.pop("api_key_env", None)
-        spec = {"kind": "openai", "base_url": ep["base_url"], "model": ep["model"], "timeout_s": ep["timeout_s"],
-                "max_retries": ep["max_retries"], "max_concurrency": ep["concurrency"]}
-        if key_env:
-            spec["api_key_env"] = key_env
+        return spec
+    key_env = ep.pop("api_key_env", None)
+    spec = {"kind": "openai", "base_url": ep["base_url"], "model": ep["model"], "timeout_s": ep["timeout_s"],
+            "max_retries": ep["max_retries"], "max_concurrency": ep["concurrency"]}
+    if key_env:
+        spec["api_key_env"] = key_env
+    return spec
+
+
+def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str | None = None) -> Any:
+    """The chat client of an LLM role (``agent`` or a key of ``llm.endpoints``), built once per process.
+
+    ``adapter``: a peft adapter directory; ``moe``: a composed LoRA-MoE directory (agent only).
+    """
+    from tracekit.llm import make_client
     from tracekit.llm.backbones import keeping_cached_models, register_model_cache
+
+    spec = _client_spec(cfg, role, adapter, moe)
 
     if adapter or moe:  # used for one rollout: not kept, so a run over many adapters holds one model at a time
         with keeping_cached_models():  # the cached user client serves the same rollout
@@ -111,6 +117,18 @@ def client_for(cfg: DictConfig, role: str, adapter: str | None = None, moe: str 
 
             register_model_cache("tracekit.stages._CLIENTS", drop_in_process)
     return _CLIENTS[key]
+
+
+def release_client(cfg: DictConfig, role: str) -> None:
+    """Drop ``role``'s cached client and, for an in-process one, free its model: a stage done with a role (GEPA's
+    reflection LM) leaves the memory to the next (the agent's evaluation)."""
+    from tracekit.llm.backbones import release_memory
+
+    client = _CLIENTS.pop(stable_hash(_client_spec(cfg, role, None, None)), None)
+    if client is not None:
+        client.close()
+        del client
+        release_memory()
 
 
 # --------------------------------------------------------------------------------------------

@@ -354,9 +354,14 @@ def gepa_run(ctx, capabilities: list[dict[str, str]], budget: int) -> Artifact:
     seed = derive_seed(cfg.seed, "gepa")
     key = stable_hash({"reads": _values(cfg, run_reads(cfg)), "capabilities": capabilities, "budget": budget},
                       length=20)
+    from tracekit.stages import release_client
+
     t0 = time.time()
-    art = ctx.cache.get_or_compute("gepa_runs", key, lambda work: run_gepa(cfg, capabilities, budget, work, seed),
-                                   meta={"capabilities": [c["name"] for c in capabilities], "budget": budget})
+    try:
+        art = ctx.cache.get_or_compute("gepa_runs", key, lambda work: run_gepa(cfg, capabilities, budget, work, seed),
+                                       meta={"capabilities": [c["name"] for c in capabilities], "budget": budget})
+    finally:  # the reflection LM (llm=local: a second in-process model) is not needed by the evaluation
+        release_client(cfg, cfg.baselines.gepa.endpoint)
     ctx.use(art, time.time() - t0)
     return art
 

@@ -298,6 +298,13 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _nonnegative_yerr(values: list[Value]) -> list[list[float]]:
+    """Error bars (below, above) of mean +- CI drawn no lower than 0: every metric of the paper's tables is a
+    rate, a similarity or a count, and a t interval over few seeds can reach below 0 (the tables print it whole)."""
+    ci = [0.0 if v.missing or not v.ci else float(v.ci) for v in values]
+    return [[min(c, max(v.mean, 0.0)) if not v.missing else 0.0 for v, c in zip(values, ci)], ci]
+
+
 def table_png(spec: Spec, results: list[RowResult], path: Path) -> Path:
     """Grouped bars of the table's last column: ours (with CI) beside the paper's, one pair per row."""
     plt = _plt()
@@ -310,9 +317,9 @@ def table_png(spec: Spec, results: list[RowResult], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(5.0, 0.75 * len(results) + 2), 3.8))
     xs = range(len(results))
     ax.bar([x - 0.2 for x in xs], [v.mean if not v.missing else 0 for v in ours], 0.4, label="ours",
-           yerr=[v.ci or 0 for v in ours], capsize=3, color="#1565c0")
+           yerr=_nonnegative_yerr(ours), capsize=3, color="#1565c0")
     ax.bar([x + 0.2 for x in xs], [v.mean if not v.missing else 0 for v in paper], 0.4, label="paper",
-           yerr=[v.ci or 0 for v in paper], capsize=3, color="#9e9e9e")
+           yerr=_nonnegative_yerr(paper), capsize=3, color="#9e9e9e")
     for x, v, r in zip(xs, ours, results, strict=True):
         if v.missing:
             ax.text(x - 0.2, 0, "not run" if r.status == "not run" else r.status, rotation=90, fontsize=7,
