@@ -76,6 +76,7 @@ def test_agent_engine_takes_the_agents_decoding(make_cfg):
 
     spec = _engine_spec(make_cfg())  # the embedded default trains with grpo.engine=agent
     assert spec == {"kind": "agent", "constrained_tool_calls": True, "tool_choice": "required", "copy_ids": True,
-                    "max_batch_size": 8}
+                    "max_batch_size": 8, "prefix_cache_mib": 1024.0}
     assert "agent.copy_ids" in AGENT_ENGINE_READS  # a change of the agent's decoding retrains the adapters
+    assert "agent.prefix_cache_mib" in AGENT_ENGINE_READS  # reused K/V round differently: in the key too
     assert _engine_spec(make_cfg("grpo.engine=hf")) == {"kind": "hf"}
