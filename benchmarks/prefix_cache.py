@@ -22,17 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def compose_cfg(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from tracekit.config import register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        cfg = compose("config", overrides=overrides)
-    validate(cfg)
-    return cfg
+from tracekit.cli import compose_config  # noqa: E402
 
 
 def rollout_once(cfg, prefix_cache_mib: float, out: Path) -> dict[str, Any]:
@@ -65,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeats < 1 or args.mib <= 0:
         ap.error("--repeats must be >= 1 and --mib > 0")
-    cfg = compose_cfg(args.overrides)
+    cfg = compose_config(args.overrides)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):

@@ -16,12 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
 from tracekit.artifacts import StageCache
-from tracekit.cli import CONF_DIR
-from tracekit.config import register_configs, validate
+from tracekit.cli import compose_config
 from tracekit.pipeline import RunRecord
 from tracekit.report.logging import RunLogger
 from tracekit.stages import build_pipeline
@@ -32,11 +28,8 @@ BASE = ["experiment=smoke", "benchmark.limit=4", "thresholds.n=10", "thresholds.
 
 
 def run_once(root: Path, overrides: list[str]) -> tuple[float, list[str]]:
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=[f"paths.root_dir={root}", f"paths.cache_dir={root}/cache",
-                                           f"paths.run_dir={root}/run", *BASE, *overrides])
-    validate(cfg)
+    cfg = compose_config([f"paths.root_dir={root}", f"paths.cache_dir={root}/cache", f"paths.run_dir={root}/run",
+                          *BASE, *overrides])
     record = RunRecord(Path(cfg.paths.run_dir))
     record.run_dir.mkdir(parents=True, exist_ok=True)
     record.logger = RunLogger(cfg, record.run_dir)
@@ -47,7 +40,6 @@ def run_once(root: Path, overrides: list[str]) -> tuple[float, list[str]]:
 
 
 def main(extra: list[str]) -> None:
-    register_configs()
     with tempfile.TemporaryDirectory() as warm_root, tempfile.TemporaryDirectory() as single_root, \
             tempfile.TemporaryDirectory() as sweep_root:
         run_once(Path(warm_root), extra)  # imports, model load, tau2 DB parse: paid once, by neither side

@@ -32,6 +32,20 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 register_configs()
 
 
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The app's config for ``overrides`` through Hydra's compose API (no run dir, no logging), validated: what
+    scripts and analyses that drive stages in process start from."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
 def describe(e: BaseException) -> str:
     """``ExcType: message`` on one line."""
     return f"{type(e).__name__}: {' '.join(str(e).split())}"

@@ -236,12 +236,7 @@ class HFChatClient(ChatClient):
     def clear_prefix_cache(self) -> dict[str, int]:
         """Forget the stored prompt prefixes; -> prompt tokens decoded and tokens prefilled since the last clear."""
         store = getattr(self._decoder, "prefixes", None)
-        if store is None:
-            return {}
-        counts = {"prompt_tokens": store.prompt_tokens, "prefilled_tokens": store.prefilled_tokens}
-        store.clear()
-        store.prompt_tokens = store.prefilled_tokens = 0
-        return counts
+        return {} if store is None else store.reset()
 
     def _session(self, prompts: list[list[int]], max_new: int) -> Any:
         from tracekit.llm.decoding import FastDecoder, open_session, unsupported_reason

@@ -92,9 +92,16 @@ class PrefixStore:
         return len(self.entries)
 
     def clear(self) -> None:
-        """Forget every entry (the weights changed, or a new rollout starts); the counters stay."""
+        """Forget every entry (the weights changed); the counters stay."""
         self.entries.clear()
         self.nbytes = 0
+
+    def reset(self) -> dict[str, int]:
+        """Forget every entry and restart the counters (a rollout begins or ends); -> the counters until now."""
+        counts = {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens}
+        self.clear()
+        self.prompt_tokens = self.prefilled_tokens = 0
+        return counts
 
     def longest(self, prompt: Sequence[int], limit: int | None = None) -> tuple[int | None, int]:
         """(key of the entry sharing the longest prefix with ``prompt``, that length capped at ``limit``)."""

@@ -68,10 +68,9 @@ def overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
 
 def run_variant(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Run the app to ``evaluate`` on the composed overrides; the run's results, artifacts and seconds."""
-    from tracekit.cli import task
-    from tracekit.planted.score import _compose
+    from tracekit.cli import compose_config, task
 
-    cfg = _compose([*overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_dir.resolve()}"])
+    cfg = compose_config([*overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_dir.resolve()}"])
     t0 = time.time()
     task(cfg)
     arts = read_json(run_dir / "artifacts.json")

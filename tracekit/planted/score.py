@@ -42,25 +42,11 @@ def precision_recall(selected: list[str], planted: list[str]) -> tuple[float | N
     return (hit / len(set(selected)) if selected else None), hit / len(set(planted))
 
 
-def _compose(overrides: list[str]) -> Any:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from tracekit.cli import CONF_DIR
-    from tracekit.config import register_configs, validate
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    validate(cfg)
-    return cfg
-
-
 def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] = DELTAS,
              rhos: tuple[float, ...] = RHOS, run_root: Path = Path("outputs/planted/runs")) -> list[dict[str, Any]]:
     """One row per (seed, delta, rho): the selected capabilities, precision, recall and what was computed."""
     from tracekit.artifacts import StageCache
+    from tracekit.cli import compose_config
     from tracekit.pipeline import RunRecord
     from tracekit.planted.warmstart import PlantedSpec
     from tracekit.report.logging import RunLogger
@@ -73,7 +59,7 @@ def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] =
             for r in rhos:
                 extra = [f"seed={seed}", f"thresholds.delta={d}", f"thresholds.rho={r}", "logger=none",
                          f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_root.resolve()}/seed{seed}_d{d}_r{r}"]
-                cfg = _compose([*overrides, *extra])
+                cfg = compose_config([*overrides, *extra])
                 if cfg.backbone.get("planted") is None:
                     raise ValueError("scoring the analysis needs a planted backbone (backbone.planted; experiment=planted)")
                 planted = PlantedSpec.from_config(cfg.backbone.planted).planted_set
