@@ -14,6 +14,10 @@ with n=3 the variance itself is estimated from 3 numbers: the normal quantile (1
 the interval 2.2x too narrow (t_{0.975,2} = 4.303). It also matches the paper's Table 6: per-seed
 airline rates 20/22/22 % give 21.3 +- 2.9, and 42/44/46 % give 44.0 +- 5.0, exactly as reported.
 With one seed there is no interval (``ci95 = None``).
+
+Paired comparisons: every method runs the same episodes (env, task, seed), so each summary keeps its per-episode
+outcomes and :func:`write_results` pairs every row with the Base row episode by episode (:mod:`tracekit.paired`:
+task-cluster bootstrap CI of the mean difference, exact McNemar on fixed/broken episodes).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text
+from tracekit.paired import INTERVAL as PAIRED_INTERVAL
+from tracekit.paired import outcome_map, paired_line, paired_vs_base
 from tracekit.types import Task, Trajectory
 
 RESULTS = "results.json"
@@ -180,8 +186,9 @@ def summarize(
 
     ``runs[k]``: per-domain and overall counts of sample k; ``domains`` / ``overall``: pooled over
     runs (with equal task sets, the mean of the runs); ``stochastic`` (>= 2 runs): per column the
-    per-run pass rates, their mean and the CI half-width (see module docstring). With ``tasks``
-    given, every (task, sample) must have a trajectory.
+    per-run pass rates, their mean and the CI half-width (see module docstring); ``outcomes``: each
+    episode's success, ``{env/task_id/sample: 0|1}``. With ``tasks`` given, every (task, sample) must
+    have a trajectory.
     """
     trajs = list(trajectories)
     if not trajs:
@@ -202,6 +209,8 @@ def summarize(
         "terminations": dict(Counter(t.termination for t in trajs)),
         "errors": sum(t.error is not None for t in trajs),
         "episodes": len(trajs),
+        # per-episode success {env/task_id/sample: 0|1}: what the paired comparisons (tracekit.paired) align on
+        "outcomes": outcome_map(trajs),
     }
     if len(per_run) >= 2:
         stoch: dict[str, Any] = {"interval": INTERVAL, "confidence": confidence, "runs": len(per_run)}
@@ -279,11 +288,23 @@ def wandb_rows(results: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], lis
     return columns, rows
 
 
+def paired_table(paired: Mapping[str, Mapping[str, Any]]) -> str:
+    """The "paired vs Base" lines under the pass-rate table (``paired``: label -> paired summary); "" when none."""
+    if not paired:
+        return ""
+    return "\n".join(["", f"Paired vs Base ({PAIRED_INTERVAL}):",
+                      *(paired_line(label, s) for label, s in paired.items())]) + "\n"
+
+
 def write_results(run_dir: str | Path, results: Mapping[str, Mapping[str, Any]],
                   table: str | None = None) -> tuple[Path, Path]:
     """Write ``results.json`` (approach -> summary) and ``results.md`` (``table``, by default the pass-rate table)
-    atomically."""
+    atomically. With a row of method ``base`` among them, every other row gets ``paired_vs_base``
+    (:func:`tracekit.paired.paired_vs_base` on the rows' ``outcomes``) and ``results.md`` a "paired vs Base"
+    line per row under the table."""
     run_dir = Path(run_dir)
-    atomic_write_json(run_dir / RESULTS, dict(results), sort_keys=False)  # rows in table order
-    atomic_write_text(run_dir / TABLE, markdown_table(results) if table is None else table)
+    paired = paired_vs_base(results)
+    rows = {label: {**r, "paired_vs_base": paired[label]} if label in paired else r for label, r in results.items()}
+    atomic_write_json(run_dir / RESULTS, rows, sort_keys=False)  # rows in table order
+    atomic_write_text(run_dir / TABLE, (markdown_table(results) if table is None else table) + paired_table(paired))
     return run_dir / RESULTS, run_dir / TABLE

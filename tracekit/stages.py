@@ -7,6 +7,7 @@ Heavy objects (models, clients) are built once per process and shared by the sta
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -397,13 +398,17 @@ def train_stage(ctx: StageContext) -> None:
     cfg = ctx.cfg
     syn = ctx.inputs["synthesize"]
     man = read_json(syn.path / MANIFEST)
-    adapters = {}
-    for env in man["environments"]:
-        if env["status"] != "ready":
-            continue
-        pkg = syn.path / env["capability"]
-        art = train_adapter(ctx, env["capability"], pkg)
-        adapters[env["capability"]] = {**art.ref(), "content_key": art.content_key}
+    ready = [env["capability"] for env in man["environments"] if env["status"] == "ready"]
+    runs = cfg.launcher.concurrent_runs
+    if runs > 1 and len(ready) > 1:  # each capability's run in its own process, `runs` at a time
+        from concurrent.futures import ThreadPoolExecutor
+
+        log.info("train: %d capability GRPO runs, %d at a time", len(ready), runs)
+        with ThreadPoolExecutor(max_workers=runs) as pool:
+            arts = list(pool.map(lambda cap: train_adapter(ctx, cap, syn.path / cap, isolate=True), ready))
+    else:
+        arts = [train_adapter(ctx, cap, syn.path / cap) for cap in ready]
+    adapters = {cap: {**art.ref(), "content_key": art.content_key} for cap, art in zip(ready, arts)}
     if not adapters:
         raise RuntimeError(f"train: no ready synthetic environment in {syn.path / MANIFEST} (every capability skipped)")
     atomic_write_json(ctx.work_dir / "adapters.json", adapters)
@@ -425,17 +430,22 @@ def train_seeds(cfg: DictConfig, iterations: int | None = None) -> list[int]:
     return list(range(TRAIN_SEED_OFFSET, TRAIN_SEED_OFFSET + n))
 
 
-def train_adapter(ctx: StageContext, capability: str, pkg: Path) -> Artifact:
+def train_adapter(ctx: StageContext, capability: str, pkg: Path, isolate: bool = False) -> Artifact:
     from tracekit.rl.launch import Factory
 
     env = Factory("tracekit.synthesis.stage:open_package", {"pkg_dir": str(pkg), "seeds": train_seeds(ctx.cfg)})
-    return grpo_run(ctx, capability, env, {"env": package_identity(pkg)})
+    return grpo_run(ctx, capability, env, {"env": package_identity(pkg)}, isolate=isolate)
 
 
-def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], iterations: int | None = None) -> Artifact:
+_LOG_LOCK = threading.Lock()  # concurrent runs replay their metrics to the one run logger
+
+
+def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], iterations: int | None = None,
+             isolate: bool = False) -> Artifact:
     """One GRPO adapter (the ``grpo`` settings; ``iterations`` overrides theirs) on the environment ``env``
     (a :class:`tracekit.rl.launch.Factory` of an EnvSuite) whose content is ``identity``: a cache entry
-    ``adapters/<key>`` keyed on the settings, engine, backbone and that content."""
+    ``adapters/<key>`` keyed on the settings, engine, backbone and that content. ``isolate`` trains in a
+    subprocess (concurrent runs); the key does not depend on it: the adapter is the same."""
     from tracekit.rl.launch import Factory, TrainSpec, train
     from tracekit.rl.settings import LauncherSettings
 
@@ -454,7 +464,12 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
             env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg))
         launcher = LauncherSettings(**_plain(cfg.launcher))
         logger = ctx.record.logger
-        train(spec, launcher, callbacks=[lambda row: logger.scalars({f"train/{label}/{k}": v for k, v in row.items()})])
+
+        def log_row(row: dict[str, Any]) -> None:
+            with _LOG_LOCK:
+                logger.scalars({f"train/{label}/{k}": v for k, v in row.items()})
+
+        train(spec, launcher, callbacks=[log_row], isolate=isolate)
 
     t0 = time.time()
     art = ctx.cache.get_or_compute("adapters", key, compute, meta={"capability": label})
@@ -547,7 +562,10 @@ def evaluate_report(art: Artifact, ctx: StageContext) -> None:
     results = read_json(art.path / RESULTS)
     notes = [f"- {label}: {n}" for label, r in results.items() for n in r.get("notes", ())]
     on = evaluation_config(ctx.cfg)
-    table = target_of(on).markdown_table(results) + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    from tracekit.evaluate import paired_table
+
+    paired = paired_table({label: r["paired_vs_base"] for label, r in results.items() if "paired_vs_base" in r})
+    table = target_of(on).markdown_table(results) + paired + ("\n" + "\n".join(notes) + "\n" if notes else "")
     trained = f" (trained on {ctx.cfg.benchmark.name})" if on is not ctx.cfg else ""
     print(f"\n{on.benchmark.name}{trained} ({ctx.cfg.backbone.name}, eval={ctx.cfg.eval.mode}):\n{table}\n", flush=True)
     ctx.record.section("Evaluation", table)
@@ -641,6 +659,7 @@ def build_pipeline() -> Pipeline:
         Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report,
               version="2"),  # 2: the moe gate holds out a fixed share of its examples (CE before/after on them)
         Stage("evaluate", reads=evaluate_reads, inputs=evaluate_inputs, compute=evaluate_stage,
-              report=evaluate_report, key_extra=evaluation_benchmark),
+              report=evaluate_report, key_extra=evaluation_benchmark,
+              version="2"),  # 2: each row keeps its per-episode outcomes and its paired comparison with Base
         *(stage for method in METHODS.values() for stage in method.stages),
     ])

@@ -8,7 +8,10 @@ differ only in GRPO settings share the warm start, the base rollout and the anal
 - ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
   95% half-width (evaluate.py's interval: seeds are the replicates), the pooled Wilson 95% interval over every
   (task, seed) episode, per-environment means, the training budget, and whether TRACE's and Base's intervals
-  overlap;
+  overlap; beside them each row's paired comparison with Base on the same episodes (``paired_vs_base``: the
+  difference in points, its task-cluster bootstrap 95% CI, fixed / broken episodes, exact McNemar p; see
+  :mod:`tracekit.paired`) and the measured power (the half-width the TRACE - Base differences achieve, and the
+  episodes needed for +-5 points);
 - ``planted_curves.png`` / ``.csv``: reward and informative-group rate per GRPO iteration, per capability and
   variant;
 - ``planted_gate.md``: the compose report (CE on held-out gate examples before/after, routing usage);
@@ -60,10 +63,62 @@ def row_summary(r: dict[str, Any]) -> dict[str, Any]:
             "budget": r.get("budget", {}), "method": r.get("method")}
 
 
+def paired_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each non-base row's paired comparison with Base: the one ``write_results`` stored (``paired_vs_base``),
+    else recomputed from the rows' ``outcomes``; rows evaluated before outcomes were kept have none."""
+    from tracekit.paired import paired_vs_base
+
+    stored = {label: r["paired_vs_base"] for label, r in results.items() if "paired_vs_base" in r}
+    return {**paired_vs_base(results), **stored}
+
+
+POWER_HALF_WIDTH = 0.05  # the +-5-point interval the power line asks the episodes for
+
+
+def power(s: dict[str, Any]) -> dict[str, Any] | None:
+    """The power of a paired comparison: the 95% half-width its per-episode differences achieve (normal,
+    1.96 sd / sqrt(n), and the bootstrap CI's half-width) and ``required_n`` for +-5 points (None when the sd is
+    0: no discordant episode, nothing to scale)."""
+    from tracekit.paired import Z95, required_n
+
+    sd, n = s["sd_diff"], s["n_episodes"]
+    if sd is None:
+        return None
+    return {"sd_diff": sd, "n_episodes": n, "half_width_normal": Z95 * sd / math.sqrt(n),
+            "half_width_bootstrap": (s["ci"][1] - s["ci"][0]) / 2, "target_half_width": POWER_HALF_WIDTH,
+            "required_n": required_n(sd, POWER_HALF_WIDTH) if sd > 0 else None}
+
+
 def overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
     if a is None or b is None:
         return None
     return not (a[1] < b[0] or b[1] < a[0])
+
+
+def paired_md(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The paired-vs-Base table of one variant's rows (nothing when no row has a paired comparison)."""
+    paired = {label: s["paired_vs_base"] for label, s in rows.items() if s.get("paired_vs_base")}
+    if not paired:
+        return []
+    md = ["", "| approach | paired vs Base (points) | paired 95% CI (points) | fixed / broken | McNemar p | "
+          "excludes 0 | episodes (tasks) |", "|---|---|---|---|---|---|---|"]
+    for label, p in paired.items():
+        md.append(f"| {label} | {100 * p['diff']:+.1f} | {100 * p['ci'][0]:+.1f} to {100 * p['ci'][1]:+.1f} | "
+                  f"{p['fixed']} / {p['broken']} | {p['mcnemar_p']:.3g} | {'yes' if p['excludes_zero'] else 'no'} | "
+                  f"{p['n_episodes']} ({p['n_tasks']}) |")
+    return md
+
+
+def power_md(pw: dict[str, Any] | None) -> list[str]:
+    """The measured-power line of TRACE - Base."""
+    if pw is None:
+        return []
+    needed = ("n/a (no discordant episode: the sd of the difference is 0)" if pw["required_n"] is None
+              else f"{pw['required_n']} episodes")
+    return [f"Power: the {pw['n_episodes']} TRACE - Base per-episode differences (sd {pw['sd_diff']:.3f}) give a 95% "
+            f"half-width of ± {100 * pw['half_width_normal']:.1f} points (normal; task-cluster bootstrap "
+            f"± {100 * pw['half_width_bootstrap']:.1f}); ± {100 * pw['target_half_width']:.0f} points needs {needed} "
+            "(n = (1.96 sd / h)^2, episodes independent)."]
 
 
 def run_variant(overrides: list[str], run_dir: Path) -> dict[str, Any]:
@@ -93,13 +148,18 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     gate_md = []
     for name, v in variants.items():
         rows = {label: row_summary(r) for label, r in v["results"].items()}
+        for label, pair in paired_rows(v["results"]).items():
+            rows[label]["paired_vs_base"] = pair
         base = next((s for s in rows.values() if s["method"] == "base"), None)
         trace = next((s for s in rows.values() if s["method"] == "trace"), None)
         verdict = None
         if base and trace:
+            pair = trace.get("paired_vs_base")
             verdict = {"t_overlap": overlap(base["t_interval"], trace["t_interval"]),
                        "wilson_overlap": overlap(base["wilson"], trace["wilson"]),
-                       "gain": trace["mean"] - base["mean"]}
+                       "gain": trace["mean"] - base["mean"],
+                       "paired_excludes_zero": None if pair is None else pair["excludes_zero"],
+                       "power": None if pair is None else power(pair)}
         table[name] = {"rows": rows, "verdict": verdict, "seconds": v["seconds"], "run_dir": v["run_dir"]}
         train = _of(v["artifacts"], "train")
         if train is not None:
@@ -115,21 +175,25 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     first = next(iter(variants.values()))
     cfg = first["cfg"]
     from tracekit.planted.warmstart import PlantedSpec, planted_record
-
-    spec = PlantedSpec.from_config(cfg.backbone.planted)
     from tracekit.stages import backbone_dict
 
-    rec = planted_record(backbone_dict(cfg)) if cfg.backbone.get("planted") else None
-    if rec is not None:
-        atomic_write_json(out / "planted.json", rec)
-    md = ["# TRACE's gain on the planted testbed", "",
-          f"Backbone: {cfg.backbone.name} after the planted warm start (strong: {', '.join(spec.strong)}; planted "
-          f"gaps: {', '.join(spec.weak)}; {spec.demos_strong} / {spec.demos_weak} demonstrations per environment, "
-          f"seed {spec.seed}). Target: {cfg.benchmark.name}, {cfg.benchmark.limit} held-out instances of each of "
+    if cfg.backbone.get("planted"):  # the planted testbed's warm start; experiment=gain has none
+        spec = PlantedSpec.from_config(cfg.backbone.planted)
+        atomic_write_json(out / "planted.json", planted_record(backbone_dict(cfg)))
+        agent = (f"{cfg.backbone.name} after the planted warm start (strong: {', '.join(spec.strong)}; planted "
+                 f"gaps: {', '.join(spec.weak)}; {spec.demos_strong} / {spec.demos_weak} demonstrations per "
+                 f"environment, seed {spec.seed})")
+    else:
+        agent = f"{cfg.backbone.name} as released (no warm start)"
+    md = [f"# TRACE's gain ({cfg.name})", "",
+          f"Backbone: {agent}. Target: {cfg.benchmark.name}, {cfg.benchmark.limit} held-out instances of each of "
           f"{', '.join(cfg.benchmark.envs)} (difficulty {cfg.benchmark.difficulty}; seeds from 10,000,000). "
           f"Decoding: T={cfg.eval.temperature}, seeds {list(cfg.eval.seeds)}, at most {cfg.eval.max_steps} steps.", "",
           "Intervals: t = Student-t 95% on the per-seed overall pass rates (mean +- t_{0.975,n-1} sd/sqrt(n)); "
-          "Wilson = 95% score interval on all (task, seed) episodes pooled (treats episodes as independent).", ""]
+          "Wilson = 95% score interval on all (task, seed) episodes pooled (treats episodes as independent). "
+          "Paired = each row against Base on the same (task, seed) episodes: mean of the per-episode success "
+          "differences, 95% percentile bootstrap resampling tasks with their seeds, fixed (row solved, Base not) / "
+          "broken (Base solved, row not), exact two-sided McNemar p on those.", ""]
     for name, t in table.items():
         md += [f"## {name} ({t['seconds']:.0f} s)", "",
                "| approach | overall mean (%) | t 95% CI | per seed (%) | Wilson 95% (%) | "
@@ -143,11 +207,15 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
             md.append(f"| {label} | {100 * s['mean']:.1f} | {ci} | {seeds} | {100 * s['wilson'][0]:.1f}-"
                       f"{100 * s['wilson'][1]:.1f} | " + " | ".join(f"{100 * x:.1f}" for x in s["domains"].values())
                       + f" | {b.get('episodes', 0)} | {b.get('generated_tokens', 0)} | {b.get('optimizer_steps', 0)} |")
+        md += paired_md(t["rows"])
         v = t["verdict"]
         if v is not None:
             said = {True: "overlap", False: "do not overlap", None: "n/a"}
+            paired_said = {True: "excludes 0", False: "includes 0", None: "n/a (no per-episode outcomes)"}
             md += ["", f"TRACE - Base: {100 * v['gain']:+.1f} points; t intervals {said[v['t_overlap']]}; "
-                   f"Wilson intervals {said[v['wilson_overlap']]}."]
+                   f"Wilson intervals {said[v['wilson_overlap']]}; paired 95% CI "
+                   f"{paired_said[v['paired_excludes_zero']]}."]
+            md += power_md(v["power"])
         md.append("")
     atomic_write_text(out / "planted_gain.md", "\n".join(md) + "\n")
     atomic_write_json(out / "planted_gain.json", table, sort_keys=False)

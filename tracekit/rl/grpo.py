@@ -1,4 +1,5 @@
-"""GRPO math as small pure functions (paper sec. 3.4 and Appendix A, eqs. (1) and (2)).
+"""GRPO math as small pure functions (paper sec. 3.4 and Appendix A, eqs. (1) and (2)), and the
+run-health and control rules the trainer applies (entropy, log-prob gap, task retirement, early stop).
 
 Shapes: ``G`` groups (seeds) x ``K`` rollouts per group; ``N`` rows of a padded token batch with
 ``T`` positions each; ``V`` vocabulary size; ``H`` hidden size. A "row" is one sequence fed to the
@@ -142,3 +143,77 @@ def grpo_loss(
             tokens=mask.sum().to(torch.float64),
         )
     return LossOutput(loss=loss, policy_loss=policy.detach(), kl=kl.detach(), **stats)
+
+
+# --------------------------------------------------------------------------------------------
+# Run health and control (the trainer's metrics row, task retirement, early stop)
+
+
+def entropy_from_logits(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per row, ``H = lse - sum_v p_v logits_v`` with ``lse`` the rows'
+    log-sum-exp. [N, V], [N] -> [N] float32.
+
+    One softmax kernel and one batched dot product: the only [N, V] temporary is ``p`` (the cancellation
+    in ``lse - p . logits`` costs ~1e-7 relative to the logits' scale in float32)."""
+    p = torch.softmax(logits, dim=-1)
+    return lse - (p.unsqueeze(1) @ logits.unsqueeze(2)).reshape(-1)
+
+
+def logprob_gap_sums(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(rollout - trainer), sum(|rollout - trainer|))`` over tokens (float64 scalars): divided by the
+    token count, the mean and mean absolute gap between the rollout engine's log-probs and the trainer's.
+    Under constrained decoding the rollout's are of the grammar-masked, renormalized distribution, so the
+    gap is >= 0 on those tokens."""
+    d = (rollout_logp.double() - trainer_logp.double())
+    return d.sum(), d.abs().sum()
+
+
+def solved_groups(rewards: torch.Tensor, success: torch.Tensor) -> torch.Tensor:
+    """Groups solved by every sample: all K successes and one reward (zero variance). [G, K] x2 -> [G] bool."""
+    return success.bool().all(dim=1) & (rewards.amax(dim=1) == rewards.amin(dim=1))
+
+
+def update_retired(retired: list[str], outcomes: list[tuple[str, bool]]) -> list[str]:
+    """The retired-task record after one round of groups: ``outcomes`` are (task key, solved) in draw order;
+    a task is retired iff the last of its groups in the round was solved, untouched if it was not drawn.
+    -> sorted keys (the record is part of a checkpoint: a canonical order)."""
+    last = dict(outcomes)  # later groups of the same task overwrite earlier ones
+    keep = {k for k in retired if k not in last}
+    return sorted(keep | {k for k, solved in last.items() if solved})
+
+
+def pool_reward(reward_mean: float, retired: int, n_tasks: int) -> float:
+    """The mean reward over the whole task pool when ``retired`` of its ``n_tasks`` tasks are retired as solved
+    (``skip_saturated``) and the drawn ones averaged ``reward_mean``: ``R/N + (1 - R/N) * reward_mean``. Retiring
+    makes the drawn tasks harder as training goes, so their own mean is no measure of progress."""
+    if n_tasks <= 0 or not 0 <= retired <= n_tasks:
+        raise ValueError(f"pool_reward: {retired} retired of {n_tasks} tasks")
+    share = retired / n_tasks
+    return share + (1 - share) * reward_mean
+
+
+def early_stop_reason(informative: list[int], rewards: list[float], patience: int, min_delta: float) -> str | None:
+    """Whether to stop after the last iteration of a history (``informative`` groups and ``reward_mean`` per
+    iteration, oldest first); the rule of ``GRPOSettings.early_stop_patience``:
+
+    - ``no_informative_groups``: the last ``patience`` iterations had no informative group;
+    - ``reward_plateau``: with ``m_t`` the mean of ``rewards[t-p+1 .. t]`` (from ``t = p-1``), the last new best
+      (``m_t > best + min_delta``; the first ``m_t`` is one) was at ``b`` and ``len - 1 - b >= patience``.
+
+    ``patience == 0``: never. -> the reason or None.
+    """
+    if len(informative) != len(rewards):
+        raise ValueError(f"history lengths differ: {len(informative)} informative counts, {len(rewards)} rewards")
+    p = patience
+    if p <= 0:
+        return None
+    if len(informative) >= p and all(n == 0 for n in informative[-p:]):
+        return "no_informative_groups"
+    best, best_at = -float("inf"), None
+    for t in range(p - 1, len(rewards)):
+        m = sum(rewards[t - p + 1 : t + 1]) / p
+        if best_at is None or m > best + min_delta:
+            best, best_at = m, t
+    if best_at is not None and len(rewards) - 1 - best_at >= p:
+        return "reward_plateau"
+    return None

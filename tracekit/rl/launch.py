@@ -233,7 +233,9 @@ def run_training(
 
 
 def launch_command(spec_path: Path, launcher: LauncherSettings) -> list[str]:
-    """The subprocess command line for a DeepSpeed launcher kind."""
+    """The subprocess command line: one plain process for ``local``, else a DeepSpeed launcher."""
+    if launcher.kind == "local":
+        return [sys.executable, "-m", "tracekit.rl.launch", "--spec", str(spec_path), "--local"]
     port = str(launcher.master_port or free_port())
     if launcher.command == "torchrun":
         return [
@@ -252,18 +254,25 @@ def train(
     launcher: LauncherSettings | None = None,
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
     timeout_s: float | None = None,
+    isolate: bool = False,
 ) -> Path:
-    """Train one adapter; returns ``<out_dir>/adapter`` (peft format). See the module docstring."""
+    """Train one adapter; returns ``<out_dir>/adapter`` (peft format). See the module docstring.
+
+    ``isolate`` runs a ``local`` launcher's training in a subprocess of its own (the train stage's concurrent
+    capability runs: each gets an equal share of the CPU cores for its torch threads)."""
     launcher = launcher or LauncherSettings()
-    if launcher.kind == "local":
+    if launcher.kind == "local" and not isolate:
         return run_training(spec, callbacks=callbacks)
-    check_supported(spec, launcher.zero_stage, launcher.nproc)
+    if launcher.kind != "local":
+        check_supported(spec, launcher.zero_stage, launcher.nproc)
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "train_spec.json"
     atomic_write_json(spec_path, spec.to_json())
     cmd = launch_command(spec_path, launcher)
     env = dict(os.environ)
+    if launcher.kind == "local":  # the machine's cores shared among the concurrent runs
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // launcher.concurrent_runs))
     root = str(Path(__file__).resolve().parents[2])  # the repo root, for an uninstalled checkout
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log_path = out / "train_launch.log"
@@ -316,11 +325,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Worker entry point under torchrun/deepspeed: one rank of a ZeRO data-parallel run."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", required=True)
-    ap.add_argument("--zero-stage", type=int, choices=(2, 3), required=True)
+    ap.add_argument("--zero-stage", type=int, choices=(2, 3))
+    ap.add_argument("--local", action="store_true", help="one process, no process group (concurrent runs)")
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = TrainSpec.from_json(read_json(args.spec))
+    if args.local:
+        run_training(spec)
+        return
+    if args.zero_stage is None:
+        ap.error("--zero-stage is required without --local")
     check_supported(spec, args.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
     dist, device = init_worker()
     run_training(

@@ -67,6 +67,24 @@ class GRPOSettings:
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
+    # run health and control (none is a paper setting; the defaults are the paper's recipe):
+    # health_kl_ref: with kl_beta = 0, still measure kl_ref (k3 KL of the policy to the frozen base) at the
+    # cost of one no-grad forward of the batch with the adapter disabled; off: the kl_ref cell stays empty
+    health_kl_ref: bool = False
+    # skip_saturated: a task (env/id) whose most recent group was solved by every sample (all successes, one
+    # reward) is retired: later draws (the next rounds and iterations) pick from the other tasks, or from all
+    # tasks when every task is retired (counted as retired_fallbacks); a retired task drawn that way and not
+    # saturated again comes back. The record is saved in the checkpoints (exact resume).
+    skip_saturated: bool = False
+    # early_stop_patience = p > 0 stops training after iteration t when either
+    #   (a) the last p iterations had no informative group (so, with the zero-variance filter, no optimizer step), or
+    #   (b) the moving average of reward_mean over p iterations (m_t = mean of iterations t-p+1..t, defined from
+    #       t = p-1) last set a new best (m > previous best + early_stop_min_delta; the first m_t is a best) at
+    #       an iteration b with t - b >= p. With skip_saturated, reward_mean is the pool's (grpo.pool_reward:
+    #       retired tasks count as solved), since the drawn tasks get harder as the solved ones retire.
+    # 0 = off: always run all iterations.
+    early_stop_patience: int = 0
+    early_stop_min_delta: float = 0.0
     lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
@@ -95,6 +113,15 @@ class GRPOSettings:
             (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
             (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
             (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
+            (isinstance(self.health_kl_ref, bool), "health_kl_ref", "true or false"),
+            (isinstance(self.skip_saturated, bool), "skip_saturated", "true or false"),
+            (
+                isinstance(self.early_stop_patience, int) and not isinstance(self.early_stop_patience, bool)
+                and self.early_stop_patience >= 0,
+                "early_stop_patience",
+                "an integer >= 0 (0 = off)",
+            ),
+            (self.early_stop_min_delta >= 0, "early_stop_min_delta", ">= 0"),
         ]
         for ok, key, valid in checks:
             if not ok:
@@ -107,12 +134,17 @@ class LauncherSettings:
     nproc: int = 1  # processes (GPUs, or CPU processes over gloo)
     command: str = "torchrun"  # torchrun | deepspeed
     master_port: int | None = None  # None: a free port
+    # capability GRPO runs trained at once by the train stage, each in its own process (one small model uses a
+    # sliver of a GPU; the env steps of several runs fill the CPU cores); 1: one after another, in process
+    concurrent_runs: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"launcher.kind={self.kind!r} is invalid: must be one of {', '.join(KINDS)}")
         if self.nproc < 1:
             raise ValueError(f"launcher.nproc={self.nproc!r} is invalid: must be >= 1")
+        if self.concurrent_runs < 1:
+            raise ValueError(f"launcher.concurrent_runs={self.concurrent_runs!r} is invalid: must be >= 1")
         if self.command not in ("torchrun", "deepspeed"):
             raise ValueError(f"launcher.command={self.command!r} is invalid: must be torchrun or deepspeed")
 

@@ -10,7 +10,24 @@ One iteration, top to bottom (:meth:`GRPOTrainer.iteration`):
 4. build exact training rows (``tokens.build_rows``), then for each epoch and minibatch:
    length-bucketed microbatches -> chunked log-probs of generated tokens -> eq. (2) (+ k3 KL,
    + TIS) -> backward; clip the gradient norm; AdamW step on the adapter only;
-5. metrics row (CSV + callbacks); a checkpoint every ``checkpoint_every`` iterations.
+5. metrics row (CSV + callbacks); a checkpoint every ``checkpoint_every`` iterations; optionally an
+   early stop (``early_stop_patience``: no informative group, or a reward plateau; ``stopped.json``).
+
+Health columns of the metrics row, all on the tokens the update scores anyway: ``entropy`` (mean per-token
+entropy of the tempered policy, from the same vocabulary chunks as the log-probs), ``logprob_gap_mean`` /
+``logprob_gap_abs`` (rollout minus trainer log-prob before any step of the iteration: the re-scored old
+log-probs with ``old_logprobs=recompute``, else the first minibatch's forward), ``kl_ref`` (token mean of
+k3 against the frozen base, when ``kl_beta > 0`` or ``health_kl_ref``; an empty cell otherwise),
+``informative_groups``, ``clip_frac`` and ``grad_norm`` (pre-clip: ``clip_grad_norm_``'s return value,
+DeepSpeed's ``get_global_grad_norm``). Cells that measured nothing (no token to score) stay empty.
+``skip_saturated`` retires tasks solved by every sample of their last group from later draws
+(``tasks_retired``; kept in the checkpoints).
+
+Constrained decoding: an engine sampling under a tool-call grammar reports log-probs of the masked,
+renormalized distribution (>= the trainer's unmasked ones; the gap columns show it). With
+``old_logprobs=recompute`` the ratio is taken between the trainer's unmasked new and old log-probs, so the
+masking cancels out of it; the rollout's masked log-probs enter only through TIS (``tis_cap``), whose
+``min(pi_old/pi_rollout, cap)`` then down-weights tokens where the grammar removed mass.
 
 The same loop runs single-process or data-parallel under DeepSpeed ZeRO (``tracekit.rl.launch``):
 each rank rolls out its share of the groups, and eq. (2)'s ``1/|B|`` uses the global trajectory
@@ -60,11 +77,11 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tracekit.artifacts import write_jsonl
+from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
 from tracekit.envs.base import EnvSuite
 from tracekit.llm.backbones import release_memory
 from tracekit.llm.decoding import causal_lm_of
-from tracekit.ops import token_logprobs
+from tracekit.ops import _ChunkedTokenLogProb, token_logprobs
 from tracekit.rl import grpo
 from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.components import LocalBackend, MetricsCSV, atomic_dir, load_checkpoint, place_model, save_checkpoint, seed_everything
@@ -265,6 +282,43 @@ def lm_head_weight(lm: torch.nn.Module) -> Iterator[torch.Tensor]:
     yield full
 
 
+class _ChunkedTokenLogProbEntropy(_ChunkedTokenLogProb):
+    """:class:`tracekit.ops._ChunkedTokenLogProb` that also returns each row's entropy of
+    ``softmax(h W^T / temperature)``, from the very chunk of logits the log-prob is read from (one softmax
+    and one batched dot product more: the peak stays two [chunk, V] buffers, as in the backward). The
+    entropy is a statistic (no gradient); the backward is the parent's."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk):  # type: ignore[override]
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse, ent = torch.empty_like(out), torch.empty_like(out)
+        for s in range(0, hidden.shape[0], chunk):
+            logits = (hidden[s : s + chunk] @ weight.t()).float() / temperature
+            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+            out[s : s + chunk] = logits.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+            ent[s : s + chunk] = grpo.entropy_from_logits(logits, lse[s : s + chunk])
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_ent):  # type: ignore[override]
+        return _ChunkedTokenLogProb.backward(ctx, grad_out)
+
+
+def token_logprobs_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tracekit.ops.token_logprobs`` plus the per-row entropy of the tempered distribution (no grad),
+    computed in the same chunked pass. [N, H], [V, H], [N] -> ([N], [N]) float32."""
+    if hidden.shape[0] == 0:
+        zero = hidden.new_zeros(0, dtype=torch.float32)
+        return zero + 0.0 * hidden.sum(), zero
+    return _ChunkedTokenLogProbEntropy.apply(hidden, weight, targets, float(temperature), int(chunk))
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -273,7 +327,8 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     chunk: int = 1024,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the generated tokens of a right-padded batch, flattened in row-major order.
 
     input_ids/attention_mask/loss_mask: [n, T] -> [M] with M = loss_mask.sum(). The token at t is
@@ -283,6 +338,8 @@ def sequence_logprobs(
     and without a mask SDPA can run its causal flash kernel (a non-right-padded mask is passed on).
     The masks may stay on the host (the trainer's are): then selecting the M positions needs no
     device-to-host read, so the host keeps queueing the loss and backward while the forward runs.
+    ``entropy``: also return the [M] entropies of the tempered policy at those positions (no grad), from
+    the same chunked pass (:func:`token_logprobs_entropy`).
     """
     lm = causal_lm_of(model)
     dev = input_ids.device
@@ -296,6 +353,8 @@ def sequence_logprobs(
     h = hidden.reshape(n * T, -1).index_select(0, at)
     targets = input_ids.reshape(-1).index_select(0, at + 1)
     with lm_head_weight(lm) as w:
+        if entropy:
+            return token_logprobs_entropy(h, w, targets, temperature=temperature, chunk=chunk)
         return token_logprobs(h, w, targets, temperature=temperature, chunk=chunk)
 
 
@@ -304,7 +363,30 @@ METRIC_COLUMNS = [
     "resample_rounds", "trajectories_kept", "loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean",
     "grad_norm", "optimizer_steps", "tokens_generated", "tokens_forward", "rows", "episode_turns_mean",
     "episode_tokens_mean", "tool_calls_mean", "time_rollout_s", "time_update_s", "time_total_s",
+    "informative_groups", "entropy", "logprob_gap_mean", "logprob_gap_abs", "kl_ref", "tasks_retired",
+    "retired_fallbacks",
 ]  # fmt: skip
+# informative_groups: groups with reward variance (those with a non-zero advantage), over all rounds;
+# entropy / kl_ref: token means over the update's forwards (every epoch and minibatch); logprob_gap_*: over
+# the tokens scored before the iteration's first step (module docstring); grad_norm: pre-clip, mean over
+# the steps; tasks_retired: size of the skip_saturated record after the rollouts; retired_fallbacks: rounds
+# that drew from all tasks because every task was retired. entropy, logprob_gap_* and kl_ref are empty
+# cells (absent from the callbacks' dict) when they measured nothing: no token, or kl_ref not asked for.
+
+
+def health_columns(tot: dict[str, float], measured_ref: bool) -> dict[str, float]:
+    """The health cells of a metrics row from the update's global sums (``ent``, ``klref`` over ``tok``
+    scored tokens; ``gap``, ``gap_abs`` over ``gap_tok``); a cell that measured nothing is left out
+    (an empty CSV cell), never 0 or NaN: no token scored, or ``kl_ref`` not asked for."""
+    out: dict[str, float] = {}
+    if tot["tok"] > 0:
+        out["entropy"] = tot["ent"] / tot["tok"]
+        if measured_ref:
+            out["kl_ref"] = tot["klref"] / tot["tok"]
+    if tot["gap_tok"] > 0:
+        out["logprob_gap_mean"] = tot["gap"] / tot["gap_tok"]
+        out["logprob_gap_abs"] = tot["gap_abs"] / tot["gap_tok"]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,6 +452,10 @@ class GRPOTrainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.start_iteration = 0
         self.metrics = MetricsCSV(self.out / "metrics.csv", METRIC_COLUMNS)
+        # run state beside the weights (same on every rank; saved in the checkpoints): the skip_saturated
+        # record (sorted task keys) and the early-stop history (informative groups, reward_mean per iteration)
+        self.retired: list[str] = []
+        self.history: dict[str, list] = {"informative_groups": [], "reward_mean": []}
 
     # ---- paths -----------------------------------------------------------------------------
     @property
@@ -389,20 +475,49 @@ class GRPOTrainer:
         from tqdm import tqdm
 
         its = range(self.start_iteration, self.s.iterations)
+        # a resumed run that had stopped early stays stopped (the rule reads the restored history)
+        reason = self.stop_reason()
+        if reason is not None:
+            self._record_stop(self.start_iteration - 1, reason)
         bar = tqdm(its, desc=f"grpo {self.suite.name}", disable=self.dist.rank != 0, initial=self.start_iteration, total=self.s.iterations)
         for it in bar:
+            if reason is not None:
+                break
             metrics = self.iteration(it)
+            self.history["informative_groups"].append(int(metrics["informative_groups"]))
+            reward = float(metrics["reward_mean"])
+            if self.s.skip_saturated:  # the plateau rule reads the pool's reward, not the ever harder draws'
+                reward = grpo.pool_reward(reward, len(self.retired), len(self.suite.tasks()))
+            self.history["reward_mean"].append(reward)
+            reason = self.stop_reason()
             if self.dist.rank == 0:
                 self.metrics.append(metrics)
-            if (it + 1) % self.s.checkpoint_every == 0 or it + 1 == self.s.iterations:
+            if (it + 1) % self.s.checkpoint_every == 0 or it + 1 == self.s.iterations or reason is not None:
                 self.save_checkpoint(it)
+            if reason is not None:
+                self._record_stop(it, reason)
             if self.dist.rank == 0:
                 log.info("iter %d reward %.3f dropped %d/%d", it, metrics["reward_mean"], metrics["groups_dropped"], metrics["groups"])
                 for cb in self.callbacks:
                     cb(metrics)
+        bar.close()
         self.save_adapter(self.adapter_dir)
         self.dist.barrier()
         return self.adapter_dir
+
+    def stop_reason(self) -> str | None:
+        """The early-stop rule (``GRPOSettings.early_stop_patience``) on the iterations run so far."""
+        h, s = self.history, self.s
+        return grpo.early_stop_reason(h["informative_groups"], h["reward_mean"], s.early_stop_patience, s.early_stop_min_delta)
+
+    def _record_stop(self, it: int, reason: str) -> None:
+        """One log line and ``stopped.json`` (the budget actually spent: iterations 0..it)."""
+        if self.dist.rank != 0:
+            return
+        run = it + 1
+        log.info("early stop after iteration %d (%d of %d iterations run): %s (patience %d)",
+                 it, run, self.s.iterations, reason, self.s.early_stop_patience)
+        atomic_write_json(self.out / "stopped.json", {"iteration": it, "reason": reason, "iterations_run": run})
 
     def iteration(self, it: int) -> dict[str, Any]:
         t0 = time.time()
@@ -427,13 +542,24 @@ class GRPOTrainer:
         release_memory()
 
     # ---- rollouts --------------------------------------------------------------------------
-    def _sample_groups(self, it: int, rnd: int, n: int) -> list[tuple[Any, int]]:
-        """n (task, env seed) pairs, the same on every rank, from (seed, iteration, round)."""
+    @staticmethod
+    def task_key(task: Any) -> str:
+        """A task's name in the skip_saturated record (``env/id``: ids repeat across a mixture's environments)."""
+        return f"{task.env}/{task.id}"
+
+    def _sample_groups(self, it: int, rnd: int, n: int) -> tuple[list[tuple[Any, int]], bool]:
+        """n (task, env seed) pairs, the same on every rank, from (seed, iteration, round) and the retired
+        record: drawn from the tasks not retired, or from all of them when every task is retired (-> True).
+        With nothing retired (always so without ``skip_saturated``) the draws are the paper recipe's."""
         tasks = self.suite.tasks()
         if not tasks:
             raise ValueError(f"environment {self.suite.name} has no tasks")
+        retired = set(self.retired)
+        pool = [t for t in tasks if self.task_key(t) not in retired] if retired else tasks
+        fallback = not pool
+        pool = pool or tasks
         rng = random.Random(int(stable_hash([self.s.seed, it, rnd], 15), 16))
-        return [(tasks[rng.randrange(len(tasks))], rng.randrange(2**31)) for _ in range(n)]
+        return [(pool[rng.randrange(len(pool))], rng.randrange(2**31)) for _ in range(n)], fallback
 
     def collect(self, it: int) -> tuple[list[Trajectory], dict[str, Any]]:
         """Roll out groups (this rank's share), drop zero-variance groups, optionally refill.
@@ -443,10 +569,11 @@ class GRPOTrainer:
         s, K = self.s, self.s.group_size
         kept: list[Trajectory] = []
         all_trajs: list[Trajectory] = []
-        n_kept_global, total_groups, dropped, rnd, gid = 0, 0, 0, 0, 0
+        n_kept_global, total_groups, dropped, rnd, gid, informative, fallbacks = 0, 0, 0, 0, 0, 0, 0
         while True:
             need = s.groups if rnd == 0 else s.groups - n_kept_global
-            pairs = self._sample_groups(it, rnd, need)
+            pairs, fallback = self._sample_groups(it, rnd, need)
+            fallbacks += int(fallback)
             mine = [g for g in range(len(pairs)) if g % self.dist.world == self.dist.rank]
             specs = [
                 EpisodeSpec(task=pairs[g][0], seed=pairs[g][1], sample=k, group=gid + g) for g in mine for k in range(K)
@@ -463,17 +590,28 @@ class GRPOTrainer:
             )
             all_trajs += trajs
             keep_flags = [0.0] * len(pairs)
+            var_flags = [0.0] * len(pairs)  # reward variance (informative), whatever the filter does
+            solved_flags = [0.0] * len(pairs)
             for j, g in enumerate(mine):
                 group = trajs[j * K : (j + 1) * K]
                 rewards = torch.tensor([[t.reward for t in group]], dtype=torch.float64)
                 keep, _ = grpo.zero_variance_filter(rewards)
+                var_flags[g] = float(bool(keep[0]))
+                solved_flags[g] = float(bool(grpo.solved_groups(rewards, torch.tensor([[t.success for t in group]]))[0]))
                 adv = grpo.group_advantages(rewards, s.adv_eps)[0]
                 if bool(keep[0]) or not s.filter_zero_variance:
                     keep_flags[g] = 1.0
                     for t, a in zip(group, adv.tolist()):
                         t.info["advantage"] = a
                     kept += group
-            keep_flags = self.dist.sum(keep_flags)  # global view: which groups of this round are kept
+            n = len(pairs)  # global view (one reduction): which groups of this round are kept, informative, solved
+            flags = self.dist.sum(keep_flags + var_flags + solved_flags)
+            keep_flags, var_flags, solved_flags = flags[:n], flags[n : 2 * n], flags[2 * n :]
+            informative += int(sum(var_flags))
+            if s.skip_saturated:  # every rank applies the same global outcomes, in draw order
+                self.retired = grpo.update_retired(
+                    self.retired, [(self.task_key(task), solved_flags[g] > 0) for g, (task, _) in enumerate(pairs)]
+                )
             total_groups += len(pairs)
             dropped += int(len(pairs) - sum(keep_flags))
             n_kept_global += int(sum(keep_flags))  # <= G: a round samples only the groups still missing
@@ -482,7 +620,9 @@ class GRPOTrainer:
             if not s.dynamic_resampling or n_kept_global >= s.groups or rnd > s.max_resample_rounds:
                 break
         self._save_rollouts(it, all_trajs)
-        return kept, self._rollout_stats(all_trajs, total_groups, dropped, rnd - 1, n_kept_global * K)
+        stats = self._rollout_stats(all_trajs, total_groups, dropped, rnd - 1, n_kept_global * K)
+        stats.update(informative_groups=informative, tasks_retired=len(self.retired), retired_fallbacks=fallbacks)
+        return kept, stats
 
     def _rollout_stats(self, trajs: list[Trajectory], groups: int, dropped: int, rounds: int, kept: int) -> dict[str, Any]:
         rewards = [t.reward for t in trajs]
@@ -537,7 +677,7 @@ class GRPOTrainer:
         rows_by_traj = [r for r in rows_by_traj if r]  # a trajectory with no generated token trains nothing
         all_rows = [r for rs in rows_by_traj for r in rs]
         old = self._score(all_rows, adapter=True) if s.old_logprobs == "recompute" else None
-        ref = self._score(all_rows, adapter=False) if s.kl_beta > 0 else None
+        ref = self._score(all_rows, adapter=False) if self._measures_ref else None
         extra = {id(r): {} for r in all_rows}
         for j, r in enumerate(all_rows):
             if old is not None:
@@ -545,8 +685,14 @@ class GRPOTrainer:
             if ref is not None:
                 extra[id(r)]["ref"] = ref[j]
         rng = random.Random(int(stable_hash([s.seed, it, "minibatches"], 15), 16))
-        acc = dict(loss=0.0, policy=0.0, kl=0.0, clip=0.0, ratio=0.0, akl=0.0, tok=0.0, grad=[], fwd=0.0, rows=0.0)
+        acc = dict(loss=0.0, policy=0.0, kl=0.0, clip=0.0, ratio=0.0, akl=0.0, tok=0.0, grad=[], fwd=0.0, rows=0.0,
+                   ent=0.0, klref=0.0, gap=0.0, gap_abs=0.0, gap_tok=0.0)
+        if old:  # the gap before any step: the trainer's re-scored old log-probs (host tensors), every token
+            trainer_lp = torch.cat(old)
+            gap, gap_abs = grpo.logprob_gap_sums(torch.cat([self._rollout_logprobs(r) for r in all_rows]), trainer_lp)
+            acc.update(gap=float(gap), gap_abs=float(gap_abs), gap_tok=float(trainer_lp.numel()))
         self.model.train()
+        first = True
         for epoch in range(s.epochs):
             order = list(range(len(rows_by_traj)))
             rng.shuffle(order)
@@ -555,25 +701,42 @@ class GRPOTrainer:
                 (b_global,) = self.dist.sum([len(chunk)])
                 if b_global == 0:
                     continue
-                self._minibatch_step(mb_rows, int(b_global), extra, acc)
+                # without re-scored old log-probs, the gap is read off the first minibatch's forward (before its step)
+                self._minibatch_step(mb_rows, int(b_global), extra, acc, gap=first and old is None)
+                first = False
         self.model.eval()
-        tot = self.dist.sum([acc[k] for k in ("loss", "policy", "kl", "clip", "ratio", "akl", "tok", "fwd", "rows")])
+        keys = ("loss", "policy", "kl", "clip", "ratio", "akl", "tok", "fwd", "rows", "ent", "klref", "gap", "gap_abs", "gap_tok")
+        tot = dict(zip(keys, self.dist.sum([acc[k] for k in keys])))
         steps = len(acc["grad"])
-        ntok = max(tot[6], 1.0)
+        ntok = max(tot["tok"], 1.0)
+        health = health_columns(tot, measured_ref=self._measures_ref)
         return {
-            "loss": tot[0] / max(steps, 1),
-            "policy_loss": tot[1] / max(steps, 1),
-            "kl": tot[2] / max(steps, 1),
-            "clip_frac": tot[3] / ntok,
-            "ratio_mean": tot[4] / ntok if tot[6] else 1.0,
-            "approx_kl": tot[5] / ntok,
+            "loss": tot["loss"] / max(steps, 1),
+            "policy_loss": tot["policy"] / max(steps, 1),
+            "kl": tot["kl"] / max(steps, 1),
+            "clip_frac": tot["clip"] / ntok,
+            "ratio_mean": tot["ratio"] / ntok if tot["tok"] else 1.0,
+            "approx_kl": tot["akl"] / ntok,
             "grad_norm": float(np.mean(acc["grad"])) if acc["grad"] else 0.0,
             "optimizer_steps": steps,
-            "tokens_forward": int(tot[7]),
-            "rows": int(tot[8]),
+            "tokens_forward": int(tot["fwd"]),
+            "rows": int(tot["rows"]),
+            **health,
         }
 
-    def _minibatch_step(self, rows: list[PolicyRow], b_global: int, extra: dict[int, dict], acc: dict) -> None:
+    @property
+    def _measures_ref(self) -> bool:
+        """Whether the update scores the batch under the frozen base (for the KL term, or for kl_ref only)."""
+        return self.s.kl_beta > 0 or self.s.health_kl_ref
+
+    @staticmethod
+    def _rollout_logprobs(r: PolicyRow) -> torch.Tensor:
+        """The rollout log-probs of a row's generated tokens, in the order ``sequence_logprobs`` scores them."""
+        return torch.tensor([lp for lp, m in zip(r.rollout_logprobs, r.loss_mask) if m > 0], dtype=torch.float32)
+
+    def _minibatch_step(self, rows: list[PolicyRow], b_global: int, extra: dict[int, dict], acc: dict, gap: bool = False) -> None:
+        """Forward/backward of one minibatch's microbatches, one optimizer step; sums into ``acc``. ``gap``:
+        also sum the rollout-minus-trainer log-prob gap of these forwards (run before the step)."""
         s = self.s
         micro = pack_microbatches([len(r) for r in rows], s.microbatch_tokens) if rows else []
         n_micro = self.dist.max(len(micro))  # every rank runs as many backward passes (ZeRO collectives)
@@ -583,8 +746,9 @@ class GRPOTrainer:
             mrows = [rows[i] for i in micro[j]] if not dummy else [self._dummy_row()]
             b = collate(mrows, self.pad_id)
             dev = self.device
-            logp = sequence_logprobs(
-                self.model, b.input_ids.to(dev), b.attention_mask, b.loss_mask, temperature=s.temperature, chunk=s.logprob_chunk
+            logp, ent = sequence_logprobs(
+                self.model, b.input_ids.to(dev), b.attention_mask, b.loss_mask, temperature=s.temperature, chunk=s.logprob_chunk,
+                entropy=True,
             )
             sel = b.loss_mask[:, 1:] > 0
             rollout_lp = b.rollout_logprobs[:, 1:][sel].to(dev)
@@ -593,13 +757,21 @@ class GRPOTrainer:
             if dummy:
                 w = torch.zeros_like(w)
             old = self._flat(mrows, extra, "old", dev) if s.old_logprobs == "recompute" and not dummy else rollout_lp
-            ref = self._flat(mrows, extra, "ref", dev) if s.kl_beta > 0 and not dummy else None
+            ref = self._flat(mrows, extra, "ref", dev) if self._measures_ref and not dummy else None
             isw = grpo.truncated_is_weights(old, rollout_lp, s.tis_cap) if s.tis_cap is not None and not dummy else None
             out = grpo.grpo_loss(
-                logp, old, adv, w, clip_eps=s.clip_eps, clip_eps_high=s.clip_eps_high, ref_logp=ref, kl_beta=s.kl_beta, is_weights=isw
+                logp, old, adv, w, clip_eps=s.clip_eps, clip_eps_high=s.clip_eps_high, ref_logp=ref if s.kl_beta > 0 else None,
+                kl_beta=s.kl_beta, is_weights=isw,
             )
             self.backend.backward(out.loss * self.backend.loss_scale, boundary=j == n_micro - 1)
-            values = (out.loss, out.policy_loss, out.kl, out.clip_count, out.ratio_sum, out.approx_kl_sum, out.tokens)
+            with torch.no_grad():  # health sums over the loss's tokens (weight > 0: not a dummy row)
+                scored = (w > 0).to(torch.float64)
+                lp = logp.detach()
+                zero = scored.new_zeros(())
+                klref = (grpo.k3_kl(lp, ref).double() * scored).sum() if ref is not None else zero
+                g, g_abs = grpo.logprob_gap_sums(rollout_lp, lp) if gap and not dummy else (zero, zero)
+                health = (ent.double() * scored).sum(), klref, g, g_abs, scored.sum() if gap else zero
+            values = (out.loss, out.policy_loss, out.kl, out.clip_count, out.ratio_sum, out.approx_kl_sum, out.tokens, *health)
             stats.append(torch.stack([v.detach().double() for v in values]))
             if not dummy:
                 acc["fwd"] += float(b.attention_mask.sum())
@@ -607,7 +779,8 @@ class GRPOTrainer:
         acc["grad"].append(self.backend.step())
         # read the statistics once, after the optimizer step is queued: a host read per value after the
         # backward would idle the GPU while the host then launches the optimizer
-        for key, value in zip(("loss", "policy", "kl", "clip", "ratio", "akl", "tok"), torch.stack(stats).sum(0).tolist()):
+        keys = ("loss", "policy", "kl", "clip", "ratio", "akl", "tok", "ent", "klref", "gap", "gap_abs", "gap_tok")
+        for key, value in zip(keys, torch.stack(stats).sum(0).tolist()):
             acc[key] += value
 
     def _dummy_row(self) -> PolicyRow:
@@ -660,16 +833,23 @@ class GRPOTrainer:
         self.dist.barrier()
 
     def save_checkpoint(self, it: int) -> None:
-        """Adapter, optimizer, RNG states and iteration under checkpoints/iter_<it>, then ``latest.json`` (all ranks)."""
-        save_checkpoint(self.ckpt_root, it, self.model, self.backend, {"settings": asdict(self.s)}, self.s.keep_checkpoints,
+        """Adapter, optimizer, RNG states, iteration and run state (the retired tasks, the early-stop history)
+        under checkpoints/iter_<it>, then ``latest.json`` (all ranks)."""
+        state = {"settings": asdict(self.s), "retired_tasks": list(self.retired), "history": self.history}
+        save_checkpoint(self.ckpt_root, it, self.model, self.backend, state, self.s.keep_checkpoints,
                         rank=self.dist.rank, barrier=self.dist.barrier, gathered=self._gathered)
 
     def resume(self) -> bool:
-        """Continue from ``checkpoints/latest.json`` if present (adapter, optimizer, RNG, iteration, metrics rows)."""
+        """Continue from ``checkpoints/latest.json`` if present (adapter, optimizer, RNG, iteration, metrics rows,
+        the retired tasks and the early-stop history)."""
         last = load_checkpoint(self.ckpt_root, self.model, self.backend, rank=self.dist.rank)
         if last is None:
             return False
         self.start_iteration = last + 1
         self.metrics.keep_through(last)
+        state = read_json(self.ckpt_root / read_json(self.ckpt_root / "latest.json")["dir"] / "state.json")
+        self.retired = sorted(state.get("retired_tasks", []))
+        history = state.get("history", {})
+        self.history = {k: list(history.get(k, [])) for k in ("informative_groups", "reward_mean")}
         log.info("next iteration %d", self.start_iteration)
         return True

