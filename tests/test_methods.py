@@ -160,9 +160,9 @@ def test_equal_shape_merges_refuse_different_ranks_naming_both_adapters(make_cfg
     assert result.kind == "adapter"  # concatenation takes any ranks
 
 
-def test_multi_grpo_matches_the_summed_episodes_by_default(make_cfg):
-    from tracekit.methods.consolidate.multi_grpo import matched_iterations
+def test_multi_grpo_matches_the_episodes_the_capability_runs_spent(make_cfg):
+    from tracekit.methods.target_train import matched_iterations
 
     cfg = make_cfg("experiment=smoke")  # 2 iterations x 2 groups x 2 rollouts per capability
-    assert matched_iterations(cfg, 3, None) == 6
-    assert matched_iterations(cfg, 3, 10) == 3  # ceil(10 / (2 groups x 2 rollouts))
+    assert matched_iterations(cfg, 3 * 2 * 2 * 2) == 6  # 3 runs that ran their plan
+    assert matched_iterations(cfg, 10) == 3  # ceil(10 / (2 groups x 2 rollouts)): e.g. a run stopped early

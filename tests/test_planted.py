@@ -164,7 +164,7 @@ def test_planted_pipeline_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     held-out CE before/after and the GRPO curves (a tiny random model solves nothing: the numbers are plumbing)."""
     import json
 
-    from tracekit.planted.gain import report, run_variant
+    from tracekit.planted.gain import compose_variant, report, run_variant
     from tracekit.planted.score import run_grid
 
     monkeypatch.setenv("TRACEKIT_CACHE", str(tmp_path / "cache"))
@@ -187,9 +187,24 @@ def test_planted_pipeline_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     record = json.loads(next((tmp_path / "cache" / "planted").glob("*/planted.json")).read_text())
     assert record["planted_set"] == WEAK and record["spec"]["seed"] == 0
     assert {c: r["succeeded"] for c, r in record["demonstrations"].items()} == {c: 1 for c in STRONG + WEAK}
-    v = run_variant([*ov, "thresholds.delta=0.0", "thresholds.rho=0.0"], tmp_path / "gain")
+    v = run_variant(compose_variant([*ov, "thresholds.delta=0.0", "thresholds.rho=0.0"], tmp_path / "gain"),
+                    tmp_path / "gain")
     table = report({"preset": v}, tmp_path / "out")
     assert {"Base", "TRACE"} <= set(table["preset"]["rows"])
     assert (tmp_path / "out" / "planted_curves.png").is_file() and (tmp_path / "out" / "planted_gain.md").is_file()
     gate = (tmp_path / "out" / "planted_gate.md").read_text()
     assert "before training" in gate and "Routing on held-out response tokens" in gate
+
+
+def test_gain_refuses_a_bad_variant_before_running_any(tmp_path, monkeypatch, capsys):
+    """Every variant is composed and validated before the first runs: a refused second variant costs no time spent
+    on the first (which would be GPU time), and the refusal is one line naming the variant."""
+    from tracekit.planted import gain
+
+    ran = []
+    monkeypatch.setattr(gain, "run_variant", lambda cfg, run_dir: ran.append(run_dir))
+    for bad in ("grpo.lr=-1", "grpo.no_such_knob=1"):
+        rc = gain.main(["--out", str(tmp_path), "--variant", "grpo.iterations=2", "--variant", bad, "experiment=gain"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert rc == 2 and ran == [] and len(err) == 1, err
+        assert err[0].startswith("tracekit.planted.gain: error: variant ") and bad.split("=")[0] in err[0]

@@ -121,11 +121,17 @@ def power_md(pw: dict[str, Any] | None) -> list[str]:
             "(n = (1.96 sd / h)^2, episodes independent)."]
 
 
-def run_variant(overrides: list[str], run_dir: Path) -> dict[str, Any]:
-    """Run the app to ``evaluate`` on the composed overrides; the run's results, artifacts and seconds."""
-    from tracekit.cli import compose_config, task
+def compose_variant(overrides: list[str], run_dir: Path) -> Any:
+    """The validated config of one variant (``tracekit.config.ConfigError`` or Hydra's error when refused)."""
+    from tracekit.cli import compose_config
 
-    cfg = compose_config([*overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_dir.resolve()}"])
+    return compose_config([*overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_dir.resolve()}"])
+
+
+def run_variant(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """Run the app to ``evaluate`` on a composed variant; the run's results, artifacts and seconds."""
+    from tracekit.cli import task
+
     t0 = time.time()
     task(cfg)
     arts = read_json(run_dir / "artifacts.json")
@@ -234,17 +240,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=planted)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from tracekit.config import ConfigError
 
+    # every variant composed and validated first: a refused one costs no (GPU) time spent on the others
+    planned = {}
+    for i, v in enumerate(a.variant or [""]):
+        run_dir = a.out / "runs" / f"variant{i}"
+        try:
+            planned[v or "preset"] = (compose_variant([*a.overrides, *shlex.split(v)], run_dir), run_dir)
+        except (ConfigError, HydraException, OmegaConfBaseException) as e:
+            print(f"tracekit.planted.gain: error: variant {v or 'preset'!r}: {' '.join(str(e).split())}",
+                  file=sys.stderr)
+            return 2
     variants = {}
-    try:
-        for i, v in enumerate(a.variant or [""]):
-            name = v or "preset"
-            variants[name] = run_variant([*a.overrides, *shlex.split(v)], a.out / "runs" / f"variant{i}")
-            report(variants, a.out)  # after every variant: a killed search keeps what it measured
-    except ConfigError as e:
-        print(f"tracekit.planted.gain: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    for name, (cfg, run_dir) in planned.items():
+        variants[name] = run_variant(cfg, run_dir)
+        report(variants, a.out)  # after every variant: a killed search keeps what it measured
     print((a.out / "planted_gain.md").read_text())
     return 0
 

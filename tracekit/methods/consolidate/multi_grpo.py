@@ -2,25 +2,17 @@
 (paper Table 4; official ``train_mixed_grpo_cmd.sh``). Each group is K rollouts of one task, hence of one
 environment; tasks are drawn uniformly (seeded by ``grpo.seed``) from equal numbers per environment.
 
-Budget: by default the per-capability runs' summed episodes (``consolidation.budget.episodes: null``): the
-same ``grpo`` settings for ``iterations x T`` iterations. It does not reuse the capability adapters.
+Budget: by default the episodes the per-capability runs spent in all (``consolidation.budget.episodes: null``;
+``iterations x T`` iterations when every run ran its plan): the same ``grpo`` settings for as many iterations as
+spend them. It does not reuse the capability adapters.
 """
 
 from __future__ import annotations
 
-import math
-
 from tracekit.artifacts import Artifact, read_json
 from tracekit.methods.base import grpo_budget
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
-
-
-def matched_iterations(cfg, n_capabilities: int, episodes: int | None) -> int:
-    """GRPO iterations giving ``episodes`` (default: ``n_capabilities`` runs of ``grpo.iterations``)."""
-    g = cfg.grpo
-    if episodes is None:
-        return g.iterations * n_capabilities
-    return max(1, math.ceil(episodes / (g.groups * g.group_size)))
+from tracekit.methods.target_train import matched_iterations
 
 
 class MultiGRPO(Strategy):
@@ -41,12 +33,13 @@ class MultiGRPO(Strategy):
         ready = [e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
                  if e["status"] == "ready"]
         pkgs = {cap: syn.path / cap for cap in sorted(ready)}
-        iterations = matched_iterations(ctx.cfg, len(pkgs), ctx.cfg.consolidation.budget.episodes)
+        target = adapters_budget(adapters)
+        # the episodes the capability runs actually spent (an early stop or dynamic resampling changes the plan)
+        iterations = matched_iterations(ctx.cfg, ctx.cfg.consolidation.budget.episodes or target.episodes)
         env = Factory("tracekit.synthesis.mixture:open_mixture",
                       {"pkg_dirs": [str(p) for p in pkgs.values()], "seeds": train_seeds(ctx.cfg, iterations)})
         art = grpo_run(ctx, "multi_grpo", env, {"mixture": {c: package_identity(p) for c, p in pkgs.items()}},
                        iterations=iterations)
-        target = adapters_budget(adapters)
         return Consolidated("adapter", "adapter", grpo_budget(art), weights=art, notes=(
             f"GRPO on the uniform mixture of {len(pkgs)} environments for {iterations} iterations "
             f"(per-capability runs: {target.episodes:,} episodes in all)",))
