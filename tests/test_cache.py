@@ -149,3 +149,50 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
     path.write_text('{"i": 0}\nnot json\n')
     with pytest.raises(ValueError, match=r"rows.jsonl:2: malformed row"):
         read_jsonl(path)
+
+
+# --------------------------------------------------------------------------------------------
+# a directory the cache or the run cannot write: said up front, and a write that fails names its file
+
+
+def test_unwritable_names_a_file_in_the_way_and_passes_a_writable_dir(tmp_path):
+    from tracekit.artifacts import unwritable
+
+    assert unwritable(tmp_path) is None and unwritable(tmp_path / "not" / "yet") is None  # made when absent
+    (tmp_path / "f").write_text("")
+    assert unwritable(tmp_path / "f") == f"{tmp_path / 'f'} is not a directory"
+    assert unwritable(tmp_path / "f" / "cache") == f"{tmp_path / 'f'} is a file, not a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe file is gone, nothing was made
+
+
+@pytest.mark.parametrize("err,why", [(28, "has no space left (No space left on device)"),
+                                     (30, "is on a read-only file system"),
+                                     (13, "is not writable (permission denied)")])
+def test_unwritable_says_why_a_directory_cannot_be_written(tmp_path, monkeypatch, err, why):
+    import tracekit.artifacts as artifacts
+
+    def fails(fd):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(artifacts.os, "fsync", fails)
+    assert artifacts.unwritable(tmp_path) == f"{tmp_path} {why}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_on_a_full_disk_names_its_file(tmp_path, monkeypatch):
+    import errno
+
+    import tracekit.artifacts as artifacts
+    from tracekit.artifacts import atomic_write_json
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    app = JsonlAppender(tmp_path / "rows.jsonl")
+    monkeypatch.setattr(artifacts.os, "fsync", full)
+    with pytest.raises(OSError, match=rf"No space left on device: '{tmp_path / 'x.json'}'"):
+        atomic_write_json(tmp_path / "x.json", {"a": 1})
+    with pytest.raises(OSError, match=rf"No space left on device: '{tmp_path / 'rows.jsonl'}'"):
+        app.append({"i": 0})
+    app.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]  # no temp file left behind

@@ -200,6 +200,21 @@ def test_large_files_are_hashed_on_full_verify_only(tmp_path, monkeypatch):
         cache.lookup("s", "k")
 
 
+def test_a_file_the_manifest_does_not_list_is_corrupt(tmp_path):
+    cache, art = _complete(tmp_path, {"a.txt": b"a", "adapter/w.bin": b"w"})
+    (art.path / "adapter" / "extra.bin").write_bytes(b"planted")
+    with pytest.raises(CorruptArtifact, match=r"artifact s/k is corrupt: adapter/extra.bin is not in its manifest.*"
+                                              rf"recompute: rm -r {art.path}$"):
+        cache.lookup("s", "k")
+    (art.path / "b.txt").write_bytes(b"")
+    with pytest.raises(CorruptArtifact, match=r"adapter/extra.bin \(and 1 more\) is not in its manifest"):
+        cache.lookup("s", "k")
+    (art.path / "adapter" / "extra.bin").unlink()
+    (art.path / "b.txt").unlink()
+    (art.path / "empty_dir").mkdir()  # a directory holds no data: not a stray file
+    assert cache.lookup("s", "k") is not None
+
+
 def test_an_artifact_without_a_manifest_is_not_trusted(tmp_path):
     path = tmp_path / "cache" / "s" / "k"
     path.mkdir(parents=True)
@@ -250,9 +265,89 @@ def test_a_moved_cache_is_a_full_hit_and_reads_its_own_files(tmp_path):
     out = _ref_pipeline().run(cfg, ["child"], StageCache(tmp_path / "b"), record)
     assert all(a["cache_hit"] for a in record.artifacts.values()) and "sub/v1" in record.artifacts
     assert (out["child"].path / "n.txt").read_text() == "1"
-    shutil.rmtree(tmp_path / "b" / "sub")  # a referenced artifact that is gone: named, not silently recomputed
-    with pytest.raises(CorruptArtifact, match="parent/.* refers to sub/v1, which is not in the cache"):
-        _ref_pipeline().run(cfg, ["child"], StageCache(tmp_path / "b"), RunRecord(tmp_path / "r2"))
+    shutil.rmtree(tmp_path / "b" / "sub")  # a sub-artifact that is gone: its parent makes it again, the rest is reused
+    record = RunRecord(tmp_path / "r2")
+    assert _ref_pipeline().to_compute(cfg, ["child"], StageCache(tmp_path / "b")) == ["parent", "child"]
+    _ref_pipeline().run(cfg, ["child"], StageCache(tmp_path / "b"), record)
+    assert {k: a["cache_hit"] for k, a in record.artifacts.items()} == {
+        "sub/v1": False, "parent/" + out["parent"].key: False, "child/" + out["child"].key: True}
+
+
+def _sub_pipeline(calls: list[str]) -> Pipeline:
+    """A ``train``-like stage: one sub-artifact per item (``adapters/<key>``) and a file of refs to them; a
+    downstream stage reads them through it."""
+
+    def parent(ctx):
+        calls.append("parent")
+        refs = {}
+        for item in ("a", "b"):
+            def make(work, item=item):
+                calls.append(f"sub:{item}")
+                write_jsonl(work / "rows.jsonl", [{"item": item, "i": i} for i in range(3)])
+
+            sub = ctx.cache.get_or_compute("sub", f"{item}{ctx.cfg.x}", make)
+            ctx.use(sub, 0.0)
+            refs[item] = sub.ref()
+        atomic_write_json(ctx.work_dir / "refs.json", refs)
+
+    def child(ctx):
+        calls.append("child")
+        par = ctx.inputs["parent"]
+        refs = json.loads((par.path / "refs.json").read_text())
+        (ctx.work_dir / "n.txt").write_text(str(sum(len((par.resolve(r).path / "rows.jsonl").read_text().splitlines())
+                                                    for r in refs.values())))
+
+    return Pipeline([Stage("parent", reads=("x",), inputs=(), compute=parent),
+                     Stage("child", reads=(), inputs=("parent",), compute=child)])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble", "stray", "delete_file"])
+def test_the_rm_a_corrupt_sub_artifact_names_recomputes_it_in_one_step(tmp_path, damage):
+    cfg = OmegaConf.create({"seed": 0, "x": 1})
+    cache = StageCache(tmp_path / "cache")
+    calls: list[str] = []
+    (tmp_path / "r").mkdir()
+    first = _sub_pipeline(calls).run(cfg, ["child"], cache, RunRecord(tmp_path / "r"))
+    sub = tmp_path / "cache" / "sub" / "b1"
+    rows = sub / "rows.jsonl"
+    if damage == "truncate":
+        rows.write_bytes(rows.read_bytes()[:-5])
+    elif damage == "garble":
+        rows.write_bytes(rows.read_bytes().replace(b'"b"', b'"c"'))
+    elif damage == "stray":
+        (sub / "planted.txt").write_text("x")
+    else:
+        rows.unlink()
+    with pytest.raises(CorruptArtifact) as e:  # named before any work, though its parent verifies
+        _sub_pipeline(calls).to_compute(cfg, ["child"], cache)
+    msg = str(e.value)
+    assert msg.startswith("artifact sub/b1 is corrupt: ") and msg.endswith(f"; recompute: rm -r {sub}")
+    shutil.rmtree(msg.rsplit("rm -r ", 1)[1])  # the one command the message names
+    calls.clear()
+    record = RunRecord(tmp_path / "r")
+    out = _sub_pipeline(calls).run(cfg, ["child"], cache, record)
+    assert calls == ["parent", "sub:b"]  # the parent again (cheap: refs), the removed sub-artifact; the rest reused
+    hits = {k: a["cache_hit"] for k, a in record.artifacts.items()}
+    assert hits == {"sub/a1": True, "sub/b1": False, f"parent/{out['parent'].key}": False,
+                    f"child/{out['child'].key}": True}  # downstream of the parent: a hit (same key)
+    assert out["parent"].key == first["parent"].key and (out["child"].path / "n.txt").read_text() == "6"
+    assert _sub_pipeline(calls).to_compute(cfg, ["child"], cache) == []  # and the next run is all hits
+
+
+def test_a_stale_artifact_is_replaced_and_a_kill_mid_replacement_leaves_nothing_complete(tmp_path):
+    cache = StageCache(tmp_path / "c")
+    cache.get_or_compute("s", "k", lambda w: (w / "v.txt").write_text("old"))
+    art = cache.get_or_compute("s", "k", lambda w: (w / "v.txt").write_text("new"), stale=lambda hit: "test")
+    assert not art.hit and (art.path / "v.txt").read_text() == "new" and cache.lookup("s", "k") is not None
+    assert sorted(p.name for p in (tmp_path / "c" / "s").iterdir()) == ["k", "k.lock"]  # no leftovers
+
+    def killed(work):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cache.get_or_compute("s", "k", killed, stale=lambda hit: "test")
+    assert (art.path / "v.txt").read_text() == "new" and cache.lookup("s", "k") is not None  # the old one stays
+    assert (tmp_path / "c" / "s" / "k.partial").is_dir()  # and the unfinished one to resume from
 
 
 # --------------------------------------------------------------------------------------------

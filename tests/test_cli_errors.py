@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.openai_stub import StubOpenAIServer
+from tracekit.artifacts import COMPLETE
 from tracekit.config import ConfigError, _stage_names, needed_endpoints, probe_endpoints
 
 
@@ -65,16 +68,17 @@ def test_rejected_run_leaves_nothing(tmp_path):
 
 
 def test_runtime_failure_is_one_line_with_the_traceback_in_the_log_and_the_summary_failed(tmp_path):
-    blocked = tmp_path / "not_a_dir"
-    blocked.write_text("")
-    out = _cli(root=tmp_path, TRACEKIT_CACHE=str(blocked))  # the cache cannot be made: fails before any model
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "rollout").write_text("")  # the stage's folder cannot be made: fails before any model
+    out = _cli(root=tmp_path, TRACEKIT_CACHE=str(cache))
     assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
     [line] = _lines(out.stderr)
     [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
     log_file = run_dir / "tracekit.log"
-    assert line.startswith("tracekit: failed: NotADirectoryError: ") and line.endswith(f"(traceback: {log_file})")
+    assert line.startswith("tracekit: failed: FileExistsError: ") and line.endswith(f"(traceback: {log_file})")
     assert "Traceback" in log_file.read_text()
-    assert "Status: failed (NotADirectoryError: " in (run_dir / "summary.md").read_text()
+    assert "Status: failed (FileExistsError: " in (run_dir / "summary.md").read_text()
 
 
 def test_user_error_during_a_run_is_one_line_with_the_traceback_in_the_log(tmp_path, capsys):
@@ -164,3 +168,306 @@ def test_an_unreachable_endpoint_is_reported_before_any_stage_computes(tmp_path)
     (line,) = _lines(out.stderr)
     assert line.startswith(f"tracekit: error: llm.endpoints.analysis: endpoint http://127.0.0.1:{port}/v1")
     assert not (tmp_path / "cache" / "rollout").exists()  # nothing was computed first
+
+
+# --------------------------------------------------------------------------------------------
+# bad values found at validation: an empty method list, an interpolation that cannot be resolved
+
+
+def test_an_empty_method_list_is_refused_before_any_work(tmp_path):
+    out = _cli("eval.methods=[]", root=tmp_path)
+    assert out.returncode == 2 and list(tmp_path.iterdir()) == []
+    [line] = _lines(out.stderr)
+    assert line.startswith("tracekit: config error: eval.methods=[] is invalid: must be a non-empty list (the rows "
+                           "of the results table: base, ")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("~seed", "seed is not in the config (an override like ~seed removes it): every stage derives its seeds from "
+              "it; drop the override, or give it a value: seed=<int>"),
+    ("grpo.seed=${nope}", "grpo.seed=${nope}: nope is not in the config (an override like ~nope removes it); give "
+                          "nope a value, or set grpo.seed itself"),
+    ("analysis.temperature=${oc.env:TRACEKIT_TEST_UNSET}",
+     "analysis.temperature=${oc.env:TRACEKIT_TEST_UNSET} cannot be resolved: KeyError raised while resolving "
+     "interpolation: \"Environment variable 'TRACEKIT_TEST_UNSET' not found\"; set analysis.temperature to a value"),
+    ("~name", "hydra.run.dir: name is not in the config (an override like ~name removes it); give name a value, "
+              "or set hydra.run.dir itself"),  # Hydra's own phase: the run dir's name
+])
+def test_an_interpolation_that_cannot_be_resolved_is_one_line(tmp_path, override, message):
+    out = _cli(override, root=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
+    assert _lines(out.stderr) == [f"tracekit: config error: {message}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# a root or a cache the run cannot use: one line saying what to do, before any work
+
+
+def _mount_ns() -> list[str]:
+    """The prefix that runs a command in a private mount namespace (root: ``unshare -m``; others in a user namespace
+    too); skips where the machine allows neither."""
+    cmd = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    try:
+        ok = subprocess.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("no private mount namespace (unshare -m) here: no read-only or full mount to test with")
+    return cmd
+
+
+def _read_only(d: Path) -> str:
+    return f"mount --bind {d} {d} && mount -o remount,bind,ro {d} {d}"
+
+
+def _full(d: Path) -> str:
+    return f"mount -t tmpfs -o size=256k tmpfs {d} && (dd if=/dev/zero of={d}/fill bs=4k 2>/dev/null || true)"
+
+
+def _cli_in(setup: str, *args: str, root: Path, **env: str) -> subprocess.CompletedProcess:
+    """:func:`_cli` after the shell commands ``setup`` (mounts) in a private mount namespace."""
+    return subprocess.run([*_mount_ns(), "sh", "-c", f'{setup} && exec "$@"', "sh", sys.executable, "-m", "tracekit",
+                           "experiment=smoke", "logger=none", *args], capture_output=True, text=True, timeout=120,
+                          cwd=root.parent, env={**os.environ, "TRACEKIT_ROOT": str(root), **env})
+
+
+def _tracekit_lines(out: subprocess.CompletedProcess) -> list[str]:
+    assert "Traceback" not in out.stdout + out.stderr
+    return [line for line in out.stderr.splitlines() if line.startswith("tracekit:")]
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_a_root_under_a_file_is_one_line_before_hydra_writes(tmp_path, where):
+    f = tmp_path / "f"
+    f.write_text("")
+    root = f if where == "file" else f / "root"
+    out = _cli(root=root.parent if where == "file" else tmp_path, TRACEKIT_ROOT=str(root))
+    wrong = f"{f} is not a directory" if where == "file" else f"{f} is a file, not a directory"
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: TRACEKIT_ROOT={root}: {wrong}: every run writes its run dir under it (outputs/runs/); "
+        "point TRACEKIT_ROOT at a writable directory with free space"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+@pytest.mark.parametrize("holding", ["nothing", "a cache"])
+def test_a_read_only_root_is_one_line_naming_the_cache_it_can_still_serve(tmp_path, holding):
+    root = tmp_path / "root"
+    (root / "outputs" / "cache" if holding == "a cache" else root).mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRACEKIT_CACHE"}
+    out = subprocess.run([*_mount_ns(), "sh", "-c", f'{_read_only(root)} && exec "$@"', "sh", sys.executable, "-m",
+                          "tracekit", "experiment=smoke"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={**env, "TRACEKIT_ROOT": str(root)})
+    reuse = (f" (its cache can still serve a run that is all cache hits, read-only: "
+             f"TRACEKIT_CACHE={root}/outputs/cache)" if holding == "a cache" else "")
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: TRACEKIT_ROOT={root}: {root} is on a read-only file system: every run writes its run dir "
+        f"under it (outputs/runs/); point TRACEKIT_ROOT at a writable directory with free space{reuse}"]
+
+
+def test_a_full_root_is_one_line(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    out = _cli_in(_full(root), root=root)
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: TRACEKIT_ROOT={root}: {root} has no space left (No space left on device): every run "
+        "writes its run dir under it (outputs/runs/); point TRACEKIT_ROOT at a writable directory with free space"]
+
+
+_ALL_STAGES = "rollout, discover, label, select, synthesize, train, compose, evaluate"
+
+
+def test_a_cache_under_a_file_is_one_line_before_any_work(tmp_path):
+    (tmp_path / "f").write_text("")
+    cache = tmp_path / "f" / "cache"
+    out = _cli("logger=none", root=tmp_path, TRACEKIT_CACHE=str(cache))
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: the cache paths.cache_dir={cache} cannot be written: {tmp_path / 'f'} is a file, not a "
+        f"directory; this run computes {_ALL_STAGES}: point TRACEKIT_CACHE at a writable directory with free space "
+        "(a run that is all cache hits needs no write)"]
+    assert "stage rollout: computing" not in out.stdout
+
+
+def test_a_full_cache_with_misses_is_one_line_before_any_work(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = _cli_in(_full(cache), root=tmp_path / "root", TRACEKIT_CACHE=str(cache))
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: the cache paths.cache_dir={cache} cannot be written: {cache} has no space left (No space "
+        f"left on device); this run computes {_ALL_STAGES}: point TRACEKIT_CACHE at a writable directory with free "
+        "space (a run that is all cache hits needs no write)"]
+    assert "stage rollout: computing" not in out.stdout
+
+
+_GOLD = ("stages=[rollout]", "agent.kind=gold", "logger=none")  # the target's gold agent: a rollout without a model
+
+
+@pytest.fixture(scope="module")
+def gold_cache(tmp_path_factory) -> Path:
+    """A cache holding the smoke preset's rollout by the gold agent (rollout/ and its episodes/ sub-artifact)."""
+    root = tmp_path_factory.mktemp("gold")
+    out = _cli(*_GOLD, root=root)
+    assert out.returncode == 0, out.stderr
+    return root / "outputs" / "cache"
+
+
+def _copy(cache: Path, tmp_path: Path) -> Path:
+    shutil.copytree(cache, tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+def test_a_read_only_cache_serves_a_run_of_hits_and_refuses_one_with_misses_in_one_line(gold_cache, tmp_path):
+    cache = _copy(gold_cache, tmp_path)
+    root = tmp_path / "root"
+    hits = _cli_in(_read_only(cache), *_GOLD, root=root, TRACEKIT_CACHE=str(cache))
+    assert hits.returncode == 0, hits.stderr
+    assert "stages to compute: none (all cached)" in hits.stdout and _tracekit_lines(hits) == []
+    misses = _cli_in(_read_only(cache), "stages=[discover]", "agent.kind=gold", root=root, TRACEKIT_CACHE=str(cache))
+    assert misses.returncode == 2 and _lines(misses.stderr) == [
+        f"tracekit: error: the cache paths.cache_dir={cache} cannot be written: {cache} is on a read-only file "
+        "system; this run computes discover: point TRACEKIT_CACHE at a writable directory with free space (a run that "
+        "is all cache hits needs no write)"]
+
+
+def test_the_rm_a_corrupt_episodes_sub_artifact_names_recomputes_it_in_one_step(gold_cache, tmp_path):
+    cache = _copy(gold_cache, tmp_path)
+    [episodes] = (p for p in (cache / "episodes").iterdir() if p.is_dir())
+    rows = episodes / "trajectories.jsonl"
+    rows.write_bytes(rows.read_bytes()[: len(rows.read_bytes()) // 2])
+    out = _cli(*_GOLD, root=tmp_path, TRACEKIT_CACHE=str(cache))
+    assert out.returncode == 2
+    [line] = _lines(out.stderr)
+    assert line.startswith("tracekit: error: artifact episodes/") and line.endswith(f"; recompute: rm -r {episodes}")
+    shutil.rmtree(line.rsplit("rm -r ", 1)[1])  # the one command the message names
+    again = _cli(*_GOLD, root=tmp_path, TRACEKIT_CACHE=str(cache))
+    assert again.returncode == 0, again.stderr
+    assert "its sub-artifact episodes/" in again.stdout and rows.is_file()  # rollout/ made it again
+
+
+def test_a_file_added_to_a_complete_artifact_is_refused_as_corrupt(gold_cache, tmp_path):
+    cache = _copy(gold_cache, tmp_path)
+    [rollout] = (p for p in (cache / "rollout").iterdir() if p.is_dir())
+    (rollout / "planted.py").write_text("print('hi')\n")
+    out = _cli(*_GOLD, root=tmp_path, TRACEKIT_CACHE=str(cache))
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: artifact rollout/{rollout.name} is corrupt: planted.py is not in its manifest (added after "
+        f"it completed); recompute: rm -r {rollout}"]
+
+
+def test_a_disk_that_fills_during_the_run_is_one_line_naming_where(tmp_path, capsys, monkeypatch):
+    import tracekit.cli as cli
+
+    monkeypatch.setattr(cli, "_model_cache", lambda: None)
+    assert cli.report_failure(OSError(28, "No space left on device", str(tmp_path / "x.jsonl"))) == 2
+    assert _lines(capsys.readouterr().err) == [
+        f"tracekit: error: No space left on device: {tmp_path / 'x.jsonl'}: free space there (or point TRACEKIT_CACHE "
+        "and TRACEKIT_ROOT at another disk) and run again: finished artifacts are kept, the unfinished one resumes"]
+    try:  # a library's own error quoting the OS (tokenizers: "No space left on device (os error 28)"), no file
+        raise RuntimeError("save failed") from Exception("No space left on device (os error 28)")
+    except RuntimeError as e:
+        assert cli.report_failure(e, (tmp_path / "cache", tmp_path / "run")) == 2
+    [line] = _lines(capsys.readouterr().err)
+    assert line.startswith(f"tracekit: error: No space left on device writing under {tmp_path / 'cache'} or "
+                           f"{tmp_path / 'run'}: free space there")
+
+
+# --------------------------------------------------------------------------------------------
+# SIGINT and SIGTERM: one line, the summary says interrupted, the unfinished artifact resumes
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_run_in_one_line_with_the_summary_interrupted(tmp_path, sig):
+    from filelock import FileLock
+
+    p = subprocess.Popen([sys.executable, "-m", "tracekit", "experiment=smoke", "logger=none", "stages=[rollout]"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                         env={**os.environ, "TRACEKIT_ROOT": str(tmp_path)})
+    try:
+        for line in p.stdout:
+            if "stage rollout: computing" in line:  # the model loads next: the run is mid-stage
+                p.send_signal(sig)
+                break
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    name = signal.Signals(sig).name
+    [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
+    assert p.returncode == 128 + sig and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("tracekit:")] == [
+        f"tracekit: interrupted by {name}: finished artifacts are kept and an unfinished one resumes: run the same "
+        f"command again (run dir {run_dir})"]
+    assert f"Status: interrupted ({name})" in (run_dir / "summary.md").read_text()
+    stage = tmp_path / "outputs" / "cache" / "rollout"
+    [partial] = stage.glob("*.partial")  # kept, to resume from; nothing looks complete
+    assert not list(stage.glob(f"*/{COMPLETE}"))
+    lock = FileLock(str(stage / f"{partial.name[:-len('.partial')]}.lock"))
+    lock.acquire(timeout=0)  # released: the next run takes it at once
+    lock.release()
+
+
+# --------------------------------------------------------------------------------------------
+# an endpoint that answers, but not as an OpenAI-compatible server
+
+
+class _NotOpenAI:
+    """A local HTTP server answering every request with one status and body (a web page, a proxy's error)."""
+
+    def __init__(self, status: int, body: bytes):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        srv = self
+        self.paths: list[str] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                return
+
+            def do_GET(self):  # noqa: N802
+                srv.paths.append(self.path)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status,body,says", [
+    (500, b'{"error": "internal"}', 'answered HTTP 500: {"error": "internal"}; check the URL'),
+    (404, b"Not Found", "answered HTTP 404: Not Found; check the URL"),
+    (200, b"<html><body>router login</body></html>", "answered HTTP 200 but not a model list (JSONDecodeError: "),
+    (200, b'{"status": "ok"}', "answered HTTP 200 but not a model list (KeyError: "),
+])
+def test_probe_refuses_an_endpoint_that_is_not_openai_compatible_in_one_request(make_cfg, status, body, says):
+    with _NotOpenAI(status, body) as srv:
+        cfg = make_cfg("llm=openai", "analysis=llm", f"llm.endpoints.analysis.base_url={srv.url}")
+        with pytest.raises(ConfigError) as e:
+            probe_endpoints(cfg, needed_endpoints(cfg, "discover"))
+        assert srv.paths == ["/v1/models"]
+    msg = str(e.value)
+    assert msg.startswith(f"llm.endpoints.analysis: endpoint {srv.url} is not an OpenAI-compatible server: GET "
+                          f"{srv.url}/models {says}") and "\n" not in msg
+
+
+def test_an_endpoint_that_is_not_openai_is_reported_before_any_stage_computes(tmp_path):
+    with _NotOpenAI(500, b"upstream error") as srv:
+        out = _cli("llm=openai", "analysis=llm", f"llm.endpoints.analysis.base_url={srv.url}", "logger=none",
+                   root=tmp_path, TRACEKIT_CACHE=str(tmp_path / "cache"))
+    assert out.returncode == 2 and _lines(out.stderr) == [
+        f"tracekit: error: llm.endpoints.analysis: endpoint {srv.url} is not an OpenAI-compatible server: GET "
+        f"{srv.url}/models answered HTTP 500: upstream error; check the URL (it ends with the API root, e.g. "
+        "http://host:8000/v1) and that the server is up"]
+    assert not (tmp_path / "cache" / "rollout").exists()

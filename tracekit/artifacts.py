@@ -8,14 +8,16 @@ concurrent jobs (Hydra multirun with a parallel launcher) compute each artifact 
 
 ``COMPLETE.json`` carries a manifest of the artifact's files (size, sha256, JSONL row count). A
 lookup verifies it before the artifact is trusted: sizes and row counts always, hashes of files up to
-``HASH_ALWAYS_BYTES`` always and of larger ones when ``TRACEKIT_VERIFY=full``. A mismatch raises
-:class:`CorruptArtifact`, naming the artifact and how to recompute it; nothing is computed from it.
+``HASH_ALWAYS_BYTES`` always and of larger ones when ``TRACEKIT_VERIFY=full``; a file the manifest does not list
+is a mismatch too. A mismatch raises :class:`CorruptArtifact`, naming the artifact and how to recompute it; nothing
+is computed from it.
 Artifacts refer to each other by ``{"stage", "key"}`` (:func:`ref`), never by path, so a cache can be
 copied or moved.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -55,6 +57,13 @@ def _umask() -> int:
 _FILE_MODE = 0o666 & ~_umask()  # what open() would give: the cache is meant to be shared, mkstemp gives 0600
 
 
+def _named(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path`` when it names no file (a write or fsync on a full disk: ``No space left on device``)."""
+    if e.filename is None:
+        e.filename = str(path)
+    return e
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same directory and a rename."""
     path = Path(path)
@@ -67,9 +76,53 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _named(e, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+WRITE_PROBE_BYTES = 64 << 10
+
+
+def unwritable(directory: str | Path) -> str | None:
+    """Why files cannot be written under ``directory`` (made when absent), or None: a file where a directory must
+    be, a read-only file system, no permission, or no space. Writes (and removes) one small probe file in the
+    directory, or in its nearest existing ancestor when it does not exist yet."""
+    directory = Path(directory)
+    d = directory
+    while not d.is_dir():
+        if d.exists() or d.is_symlink():
+            return f"{d} is not a directory" if d == directory else f"{d} is a file, not a directory"
+        if d.parent == d:
+            return f"{d} does not exist"
+        d = d.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".tracekit-write-test.", suffix=".tmp")
+    except OSError as e:
+        return _why_unwritable(d, e)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * WRITE_PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return _why_unwritable(d, e)
+    finally:
+        Path(probe).unlink(missing_ok=True)
+    return None
+
+
+def _why_unwritable(d: Path, e: OSError) -> str:
+    if e.errno == errno.EROFS:
+        return f"{d} is on a read-only file system"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"{d} is not writable (permission denied)"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{d} has no space left ({e.strerror})"
+    return f"cannot write in {d} ({e.strerror or e})"
 
 
 def atomic_write_json(path: str | Path, obj: Any, sort_keys: bool = True) -> None:
@@ -102,9 +155,12 @@ class JsonlAppender:
 
     def append(self, row: BaseModel | dict) -> None:
         line = row.model_dump_json() if isinstance(row, BaseModel) else json.dumps(row, sort_keys=True)
-        self._f.write(line + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            self._f.write(line + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise _named(e, self.path)
 
     def close(self) -> None:
         self._f.close()
@@ -187,7 +243,8 @@ def _count_rows(path: Path) -> int:
 
 
 def verify_manifest(directory: Path, files: dict[str, dict[str, Any]], full: bool) -> str | None:
-    """The first way ``directory`` differs from its manifest, or None."""
+    """The first way ``directory`` differs from its manifest (a listed file missing or changed, or a file it does
+    not list), or None."""
     for rel, want in files.items():
         p = directory / rel
         if not p.is_file():
@@ -199,6 +256,11 @@ def verify_manifest(directory: Path, files: dict[str, dict[str, Any]], full: boo
             return f"{rel} has {n} rows, the manifest says {want['rows']}"
         if (full or size <= HASH_ALWAYS_BYTES) and file_sha256(p) != want["sha256"]:
             return f"{rel} differs from its recorded sha256 (same size: changed in place)"
+    extra = sorted(rel for p in directory.rglob("*")
+                   if p.is_file() and (rel := p.relative_to(directory).as_posix()) != COMPLETE and rel not in files)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        return f"{extra[0]}{more} is not in its manifest (added after it completed)"
     return None
 
 
@@ -257,6 +319,16 @@ class StageCache:
             raise CorruptArtifact(f"artifact {stage}/{key} is corrupt: {problem}; recompute: rm -r {path}")
         return Artifact(stage, key, path, meta["content_key"], hit=True)
 
+    def _fresh(self, stage: str, key: str, stale: Callable[[Artifact], str | None] | None,
+               say: bool = True) -> Artifact | None:
+        """The verified artifact unless absent or ``stale``."""
+        hit = self.lookup(stage, key)
+        if hit and stale and (why := stale(hit)):
+            if say:
+                log.warning("artifact %s/%s is computed again: %s", stage, key, why)
+            return None
+        return hit
+
     def clean_orphans(self, stage: str, max_age_days: float = ORPHAN_PARTIAL_DAYS) -> list[Path]:
         """Remove ``<key>.partial`` dirs of ``stage`` that no live job holds and nobody touched in
         ``max_age_days`` (a killed run's leftovers; a younger one is kept so that a re-run resumes it)."""
@@ -287,6 +359,7 @@ class StageCache:
         compute: Callable[[Path], None],
         meta: dict[str, Any] | None = None,
         identity_files: Iterable[str] = (),
+        stale: Callable[[Artifact], str | None] | None = None,
     ) -> Artifact:
         """Return the artifact for (stage, key), computing it once under a file lock if absent.
 
@@ -294,8 +367,10 @@ class StageCache:
         so it can resume). ``identity_files`` name files whose contents define the artifact's
         *content key*: downstream stages key on it, so two configs that produce the same content
         (e.g. two thresholds selecting the same capabilities) share everything downstream.
+        ``stale(hit)``: why a complete artifact must be computed again though it verifies (a sub-artifact it
+        used is gone: computing it again makes that one and reuses the rest), or None; it is then replaced.
         """
-        hit = self.lookup(stage, key)
+        hit = self._fresh(stage, key, stale)
         if hit:
             return hit
         stage_dir = self.root / stage
@@ -308,7 +383,7 @@ class StageCache:
             log.warning("waiting for another job computing %s/%s (lock %s)", stage, key, lock.lock_file)
             lock.acquire()
         try:
-            hit = self.lookup(stage, key)  # another process finished it while we waited
+            hit = self._fresh(stage, key, stale, say=False)  # another process finished it while we waited
             if hit:
                 return hit
             work = stage_dir / f"{key}.partial"
@@ -331,7 +406,8 @@ class StageCache:
             }
             atomic_write_json(work / COMPLETE, marker)
             final = self.final_dir(stage, key)
-            if final.exists():  # an incomplete leftover (no marker): replace it
+            if final.exists():  # an incomplete leftover (no marker), or a stale artifact: replace it
+                (final / COMPLETE).unlink(missing_ok=True)  # first: a kill mid-removal leaves no complete-looking dir
                 shutil.rmtree(final)
             os.replace(work, final)
             log.info("stage %s computed in %.1fs -> %s", stage, marker["seconds"], final)

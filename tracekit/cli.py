@@ -8,12 +8,20 @@
 
 Every run's first log line and ``summary.md`` state its preset and each value that differs from the paper's
 (:mod:`tracekit.reproduce.paper`), so a cut run never passes for a paper run.
+
+What the user must fix ends the run with one ``tracekit:`` line on stderr and exit status 2, before any work where it
+can be known then: a root the run dir cannot be written under, a cache a run with misses cannot write, a bad value or
+an unresolvable interpolation, an endpoint that is not an OpenAI-compatible server. SIGINT and SIGTERM end it with one
+line too (status 130 / 143) and ``summary.md`` saying ``interrupted``; unfinished artifacts resume on the next run.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,8 +30,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from tracekit.artifacts import StageCache, atomic_write_text
-from tracekit.config import USER_ERRORS, ConfigError, needed_endpoints, probe_endpoints, register_configs, validate
+from tracekit.artifacts import StageCache, atomic_write_text, unwritable
+from tracekit.config import (USER_ERRORS, ConfigError, interpolation_message, needed_endpoints, probe_endpoints,
+                             register_configs, validate)
 from tracekit.report.logging import log_traceback_to_file
 
 log = logging.getLogger("tracekit")
@@ -51,11 +60,38 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: raised in the main thread, so that the run's ``finally`` blocks run (its summary says
+    ``interrupted``, locks are released, partial artifacts stay to resume from)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def catch_signals() -> None:
+    """SIGINT and SIGTERM raise :class:`Interrupted` (where their handlers are the default: one the parent set to
+    ignore stays ignored)."""
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(sig) is default:
+            signal.signal(sig, _raise_interrupted)
+
+
+def _signal_name(e: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+
+
 def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException | None = None) -> None:
     """The run's Markdown summary: its status, stages (cache hits or computed) and each stage's report."""
     from tracekit.reproduce.paper import setting_markdown
 
-    status = f"failed ({describe(failure)})" if failure else "ok"
+    status = (f"interrupted ({_signal_name(failure)}): finished artifacts are kept, an unfinished one resumes on the "
+              "next run" if isinstance(failure, KeyboardInterrupt)
+              else f"failed ({describe(failure)})" if failure else "ok")
     lines = [f"# tracekit run `{cfg.name}`", "", f"Status: {status}", "", f"Run dir: `{run_dir}`", "",
              "## Setting relative to the paper", "", setting_markdown(cfg), "", "## Stages", "",
              "| stage | key | cache | seconds |", "|---|---|---|---|"]
@@ -85,6 +121,10 @@ def run(cfg: DictConfig) -> None:
         pipeline, cache = build_pipeline(), StageCache(cfg.paths.cache_dir)
         to_compute = pipeline.to_compute(cfg, list(cfg.stages), cache)  # corrupt artifacts are named here
         log.info("stages to compute: %s", ", ".join(to_compute) or "none (all cached)")
+        if to_compute and (why := unwritable(cache.root)):  # all hits: nothing is written there, a read-only one serves
+            raise ConfigError(f"the cache paths.cache_dir={cache.root} cannot be written: {why}; this run computes "
+                              f"{', '.join(to_compute)}: point TRACEKIT_CACHE at a writable directory with free space "
+                              "(a run that is all cache hits needs no write)")
         probe_endpoints(cfg, [role for stage in to_compute for role in needed_endpoints(cfg, stage)])
         pipeline.run(cfg, list(cfg.stages), cache, record)
     except BaseException as e:
@@ -115,11 +155,46 @@ def discard_rejected_run(run_dir: Path, root_dir: Path) -> None:
             break
 
 
-def report_failure(e: Exception) -> int:
-    """One line on the terminal, the traceback in the run's log file; the exit status (2: the user's to fix)."""
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a disk that filled (or went read-only) during the run
+_DISK_TEXTS = tuple(os.strerror(n) for n in DISK_ERRNOS)  # quoted by libraries' own errors (tokenizers: os error 28)
+
+
+def disk_error(e: BaseException | None) -> tuple[str, str | None] | None:
+    """(the OS's words, the file when known) when ``e``, or what it was raised from, is a disk that filled or went
+    read-only: an OSError, or another library's exception quoting the OS's message; None otherwise."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return e.strerror or os.strerror(e.errno), e.filename
+        if text := next((t for t in _DISK_TEXTS if t in str(e)), None):
+            return text, None
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _model_cache() -> str | None:
+    try:
+        from tracekit.llm.backbones import cache_root
+    except ImportError:
+        return None
+    return str(cache_root())
+
+
+def report_failure(e: Exception, dirs: tuple[object, ...] = ()) -> int:
+    """One line on the terminal, the traceback in the run's log file; the exit status (2: the user's to fix).
+    ``dirs``: where the run writes (cache, run dir), to name the full one when the error names no file."""
     log_file = log_traceback_to_file(log, f"run failed: {describe(e)}", e)
     if isinstance(e, USER_ERRORS):
         print(f"tracekit: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if found := disk_error(e):
+        what, filename = found
+        full = next((why for d in (*dirs, _model_cache()) if d and (why := unwritable(str(d)))), None)
+        where = (f"{what}: {filename}" if filename else full
+                 or f"{what} writing under {' or '.join(map(str, dirs)) or 'the run dir or the cache'}")
+        print(f"tracekit: error: {where}: free space there (or point TRACEKIT_CACHE and TRACEKIT_ROOT at another disk) "
+              "and run again: finished artifacts are kept, the unfinished one resumes", file=sys.stderr)
         return 2
     print(f"tracekit: failed: {describe(e)}" + (f" (traceback: {log_file})" if log_file else ""), file=sys.stderr)
     return 1
@@ -138,8 +213,18 @@ def task(cfg: DictConfig) -> dict[str, object]:
     return {"run_dir": str(cfg.paths.run_dir), "seconds": time.time() - t0}
 
 
+def interrupted(e: KeyboardInterrupt, run_dir: object = None) -> int:
+    """One line for a run stopped by SIGINT or SIGTERM; its exit status (128 + the signal's number)."""
+    where = f" (run dir {run_dir})" if run_dir else ""
+    print(f"tracekit: interrupted by {_signal_name(e)}: finished artifacts are kept and an unfinished one resumes: "
+          f"run the same command again{where}", file=sys.stderr)
+    return 128 + int(getattr(e, "signum", signal.SIGINT))
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def app(cfg: DictConfig) -> None:
+    if _OWN_FULL_ERROR:  # set for Hydra's own phase only (main): not for what the run starts
+        os.environ.pop("HYDRA_FULL_ERROR", None)
     try:
         validate(cfg)
     except ConfigError as e:
@@ -148,5 +233,87 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         run(cfg)
+    except KeyboardInterrupt as e:
+        sys.exit(interrupted(e, cfg.paths.run_dir))
     except Exception as e:
-        sys.exit(report_failure(e))
+        sys.exit(report_failure(e, (cfg.paths.cache_dir, cfg.paths.run_dir)))
+
+
+# Hydra's flags that print and write nothing (no run dir)
+_INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion",
+               "--experimental-rerun")
+
+
+def run_root(args: list[str]) -> tuple[Path, str] | None:
+    """The directory this command's run dir (or multirun dir) goes under, as conf/config.yaml puts it, and what
+    names it; None when the command writes no run dir (help, ``--cfg``) or an override places it itself."""
+    if any(a.split("=")[0] in _INFO_FLAGS for a in args):
+        return None
+    if any(a.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in args):
+        return None  # Hydra resolves it; a failure to make it is still one line (main)
+    if not {"-m", "--multirun"} & set(args):  # the sweep dir is under $TRACEKIT_ROOT whatever paths.root_dir says
+        for a in args:
+            if a.lstrip("+").startswith("paths.root_dir="):
+                value = a.split("=", 1)[1]
+                return (Path(value).expanduser(), f"paths.root_dir={value}") if value and "${" not in value else None
+    env = os.environ.get("TRACEKIT_ROOT")
+    if env:
+        return Path(env).expanduser(), f"TRACEKIT_ROOT={env}"
+    return Path.cwd(), f"the working directory {Path.cwd()} (TRACEKIT_ROOT is unset)"
+
+
+def root_problem(args: list[str]) -> str | None:
+    """Why this command's run dir cannot be written (a file in the way, read-only, no permission, no space), as one
+    line saying what to do; None when it can (or the command writes none)."""
+    found = run_root(args)
+    if found is None:
+        return None
+    root, named = found
+    why = unwritable(root)
+    if why is None:
+        return None
+    cache = root / "outputs" / "cache"
+    reuse = (f" (its cache can still serve a run that is all cache hits, read-only: TRACEKIT_CACHE={cache})"
+             if "TRACEKIT_CACHE" not in os.environ and cache.is_dir() else "")
+    return (f"{named}: {why}: every run writes its run dir under it (outputs/runs/); point TRACEKIT_ROOT at a "
+            f"writable directory with free space{reuse}")
+
+
+_OWN_FULL_ERROR = False  # main set HYDRA_FULL_ERROR: Hydra raises what fails in its phase, main says it in one line
+
+
+def main() -> None:
+    """``python -m tracekit``: the root checked before Hydra writes anything, SIGINT and SIGTERM caught, and what
+    fails in Hydra's own phase (an override, an interpolation, the run dir) said in one line."""
+    global _OWN_FULL_ERROR
+    from hydra.errors import HydraException
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+    if why := root_problem(sys.argv[1:]):
+        print(f"tracekit: error: {why}", file=sys.stderr)
+        sys.exit(2)
+    catch_signals()
+    logging.raiseExceptions = False  # a log line that cannot be written (a full disk) is dropped, not a traceback
+    _OWN_FULL_ERROR = "HYDRA_FULL_ERROR" not in os.environ
+    if not _OWN_FULL_ERROR:  # the user asked for Hydra's full tracebacks
+        app()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except KeyboardInterrupt as e:  # before the run started (composing, validating)
+        sys.exit(interrupted(e))
+    except InterpolationResolutionError as e:
+        print(f"tracekit: config error: {interpolation_message(e)}", file=sys.stderr)
+        sys.exit(2)
+    except (HydraException, OmegaConfBaseException) as e:  # an override Hydra refused, an unknown config group
+        cause = f" {e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
+        print(f"tracekit: config error: {' '.join((str(e) + cause).split())}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # the run dir (or its files) could not be written after all
+        print(f"tracekit: error: cannot write the run dir: {describe(e)}; point TRACEKIT_ROOT at a writable "
+              "directory with free space", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if _OWN_FULL_ERROR:
+            os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -20,6 +20,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationResolutionError
 
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
@@ -54,6 +55,7 @@ class BenchmarkConfig:
     agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
     envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
     difficulty: int = 0  # kind=synthetic: the environments' difficulty level
+    train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned from (no split)
     coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py)
 
 
@@ -429,6 +431,12 @@ def _target_domains() -> tuple[str, ...]:
     return (*TAU2_DOMAINS, *TOOLSANDBOX)
 
 
+def _toolsandbox_variants() -> tuple[str, ...]:
+    from tracekit.envs.toolsandbox import VARIANTS
+
+    return VARIANTS
+
+
 def _stage_names() -> tuple[str, ...]:
     from tracekit.stages import build_pipeline
 
@@ -466,6 +474,7 @@ def _chat_formats() -> tuple[str, ...]:
 CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "benchmark.kind": ("tau2", "synthetic", "toolsandbox", "coding", "swebench"),  # tracekit.targets (+ issue 20's)
     "benchmark.domains": _target_domains,  # which go with which kind: the target's validate()
+    "benchmark.train_domains": _toolsandbox_variants,  # ToolSandbox's variants learned from (the target's validate())
     "benchmark.split": ("train", "test", "base"),
     "benchmark.policy": ("full",),
     "benchmark.envs": _library_names,
@@ -648,10 +657,43 @@ def evaluation_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
+def interpolation_message(e: InterpolationResolutionError, cfg: DictConfig | None = None) -> str:
+    """One line for a value whose ``${...}`` cannot be resolved (``~seed`` removes what ``grpo.seed: ${seed}``
+    names): the key, its interpolation, why, and what to set."""
+    key = getattr(e, "full_key", None) or ""
+    raw = None
+    try:
+        node = cfg
+        for part in key.split("."):
+            node = node._get_node(part)
+        raw = node._value()
+    except Exception:  # a list index, or no config: the message goes without the raw value
+        pass
+    why = " ".join(str(e).split("\n")[0].split())
+    named = re.fullmatch(r"Interpolation key '(.+)' not found", why)
+    shown = f"{key}={raw}" if isinstance(raw, str) else (key or "a value")
+    if named:
+        return (f"{shown}: {named.group(1)} is not in the config (an override like ~{named.group(1)} removes it); "
+                f"give {named.group(1)} a value, or set {key} itself")
+    return f"{shown} cannot be resolved: {why}; set {key or 'it'} to a value"
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every key against the schema, every value's range or choices and the cross-field rules; raise
-    ConfigError (one line) on the first problem."""
+    ConfigError (one line) on the first problem, a value whose interpolation cannot be resolved included."""
+    try:
+        _validate(cfg)
+    except InterpolationResolutionError as e:
+        raise ConfigError(interpolation_message(e, cfg)) from None
+
+
+def _validate(cfg: DictConfig) -> None:
+    if "seed" not in cfg:  # Hydra's ~seed deletes it; every stage derives its seeds from it
+        raise ConfigError("seed is not in the config (an override like ~seed removes it): every stage derives its "
+                          "seeds from it; drop the override, or give it a value: seed=<int>")
     for key, pattern, node, name in _leaves(cfg, Config):
+        if not key.startswith("paths.") and not OmegaConf.is_missing(node, name):
+            node[name]  # resolved: a broken ${...} is named here (paths resolve only in Hydra's app)
         if pattern in RANGES or pattern in CHOICES:
             _check_leaf(key, pattern, node[name])
     t = cfg.thresholds
@@ -700,6 +742,8 @@ def validate(cfg: DictConfig) -> None:
 
         target_of(evaluation_config(cfg)).validate(evaluation_config(cfg))
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
+    _check(len(cfg.eval.methods) >= 1, "eval.methods", list(cfg.eval.methods),
+           "a non-empty list (the rows of the results table: " + ", ".join(_method_names()) + ")")
     from tracekit.methods import validate_methods
 
     validate_methods(cfg)  # each method's own checks (a target without a training split, missing data, ...)

@@ -35,6 +35,18 @@ EXECUTION_KEYS = ("paths", "logger", "launcher", "name", "stages", "experiment")
 USES = "uses.json"  # the sub-artifacts a stage artifact depends on
 
 
+def gone_sub_artifact(cache: StageCache, art: Artifact) -> str | None:
+    """Why the stage artifact ``art`` must be computed again: a sub-artifact it used (its ``uses.json``) is not in the
+    cache (removed, e.g. by the ``rm -r`` a corrupt one's message names); None when all are there. Each is verified:
+    a corrupt one raises :class:`~tracekit.artifacts.CorruptArtifact` naming the ``rm -r`` that recomputes it (the
+    next run computes this stage again, which makes that sub-artifact and reuses the others)."""
+    uses = art.path / USES
+    for ref in read_json(uses) if uses.is_file() else ():
+        if cache.lookup(ref["stage"], ref["key"]) is None:
+            return f"its sub-artifact {ref['stage']}/{ref['key']} is not in the cache"
+    return None
+
+
 def derive_seed(seed: int, *parts: Any) -> int:
     """A deterministic 31-bit seed for a (master seed, stage, item...) combination."""
     return int(stable_hash([seed, *parts], length=8), 16) & 0x7FFFFFFF
@@ -145,14 +157,17 @@ class Pipeline:
 
     def to_compute(self, cfg: DictConfig, targets: list[str], cache: StageCache) -> list[str]:
         """The stages a run of ``targets`` will compute: each whose inputs are cached and whose own key is not,
-        and everything downstream of one (its key waits on content not made yet). Verifies what it finds, so a
-        corrupt artifact is named before any work."""
+        and everything downstream of one (its key waits on content not made yet). Verifies what it finds, the
+        sub-artifacts of a hit included, so a corrupt artifact is named before any work; a hit whose sub-artifact
+        is gone is computed again."""
         known: dict[str, Artifact] = {}
         misses = []
         for name in self.order(cfg, targets):
             deps = self.inputs(cfg, name)
             hit = (cache.lookup(name, self.key(cfg, self.stages[name], {n: known[n] for n in deps}))
                    if all(n in known for n in deps) else None)
+            if hit and gone_sub_artifact(cache, hit):
+                hit = None
             if hit:
                 known[name] = hit
             else:
@@ -187,7 +202,7 @@ class Pipeline:
             art = cache.get_or_compute(
                 name, key, compute,
                 meta={"reads": list(reads), "inputs": {n: a.key for n, a in inputs.items()}},
-                identity_files=stage.identity_files,
+                identity_files=stage.identity_files, stale=lambda hit: gone_sub_artifact(cache, hit),
             )
             ctx.work_dir = art.path
             if art.hit:  # a hit reads its sub-artifacts through it: record them (verified) too

@@ -138,7 +138,8 @@ class OpenAIChatClient(ChatClient):
     # -- health --------------------------------------------------------------------------------
 
     def check(self) -> None:
-        """One short request to ``/models``: raise ``EndpointError`` if unreachable or the key is refused."""
+        """One short request to ``/models``: raise ``EndpointError`` if unreachable, the key is refused, or the answer
+        is not an OpenAI model list (``{"data": [{"id": ...}, ...]}``: HTTP 500, an HTML page, another server)."""
         url = f"{self.base_url}/models"
         try:
             r = self._http.get(url, timeout=httpx.Timeout(max(self.connect_timeout_s, 1.0) * 2, connect=self.connect_timeout_s))
@@ -146,6 +147,20 @@ class OpenAIChatClient(ChatClient):
             raise EndpointError(f"endpoint {self.base_url} unreachable: {type(e).__name__}: {_one_line(e)}") from None
         if r.status_code in (401, 403):
             raise EndpointError(f"endpoint {self.base_url} refused the API key (HTTP {r.status_code})")
+        not_openai = (f"endpoint {self.base_url} is not an OpenAI-compatible server: GET {url} answered "
+                      f"HTTP {r.status_code}")
+        if r.status_code != 200:
+            raise EndpointError(f"{not_openai}: {_one_line(r.text, 120) or 'no body'}; check the URL (it ends with "
+                                "the API root, e.g. http://host:8000/v1) and that the server is up")
+        try:
+            data = r.json()
+            models = [m["id"] for m in data["data"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise EndpointError(f"{not_openai} but not a model list ({type(e).__name__}: {_one_line(r.text, 80)!r}); "
+                                "check the URL (it ends with the API root, e.g. http://host:8000/v1)") from None
+        if self.model and models and self.model not in models:
+            log.warning("endpoint %s does not list model %r (it lists %s)", self.base_url, self.model,
+                        ", ".join(map(str, models[:5])))
         self._checked = True
 
     # -- chat ----------------------------------------------------------------------------------

@@ -1,15 +1,18 @@
 """What the baselines that learn from the target share: its training tasks, TRACE's matched budget, and the
 capabilities block of the system prompt.
 
-Training tasks (never the evaluated ones):
+Training tasks (never the evaluated ones) are the target's (``tracekit.targets``: ``Target.training_split_problem``,
+``train_spec``, ``train_suite``):
 
-- ``benchmark.kind=tau2``: tau^2's ``train`` split (``split_tasks.json``), the benchmark's own reward and user.
-- ``benchmark.kind=synthetic`` (``tau2_mini``): instances of the same library environments at the target's
-  difficulty from the training seeds (``tracekit.stages.TRAIN_SEED_OFFSET`` on), disjoint from the held-out
-  target seeds (``LibraryTargetSuite``'s 10,000,000 on) and from validation's ``0..n``.
+- ``tau2``: tau^2's ``train`` split (``split_tasks.json``), the benchmark's own reward and user;
+- ``synthetic`` (``tau2_mini``): instances of the same library environments at the target's difficulty from the
+  training seeds (``tracekit.stages.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
+  (``LibraryTargetSuite``'s 10,000,000 on) and from validation's ``0..n``;
+- ``coding`` / ``swebench``: the local SWE-smith-style train split;
+- ``toolsandbox``: the scenario variants of ``benchmark.train_domains`` (ToolSandbox has no split).
 
-A target with neither has no training split: :func:`training_split_problem` says why, and the methods that
-need one refuse in ``validate()``.
+A target without one says why (:func:`training_split_problem`), and the methods that need one refuse in
+``validate()``.
 
 Matched budget: TRACE's per-capability GRPO runs' episodes summed (``adapters_budget`` over the ``train``
 stage's adapters), read from their artifacts: the methods that match it take ``train`` as an input.
@@ -23,26 +26,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import Artifact, read_json
+from tracekit.targets import target, target_of
 
 CAPABILITIES_HEADER = ("Capabilities that tasks in this environment require. Exercise each one whenever a task "
                        "calls for it:")
 
 
 def training_split_problem(cfg: DictConfig) -> str | None:
-    """Why the target has no training split to learn from, or None when it has one."""
-    b = cfg.benchmark
-    if b.kind == "synthetic":
-        return None
-    if b.kind in ("coding", "swebench"):  # the local SWE-smith-style train split (SWE-bench Verified: the disjoint one)
-        return "benchmark.split=train: the evaluated tasks are the training tasks" if b.split == "train" else None
-    if b.kind == "tau2":
-        if b.split == "train":
-            return "benchmark.split=train: the evaluated tasks are tau^2's training tasks"
-        from tracekit.envs.tau2 import load_splits
-
-        missing = [d for d in b.domains if not load_splits(d).get("train")]
-        return f"tau^2 domain(s) {missing} have no 'train' split in split_tasks.json" if missing else None
-    return f"benchmark.kind={b.kind}: no training split is known for this target"
+    """Why the target has no training split to learn from, or None when it has one (the target's own rule)."""
+    return target_of(cfg).training_split_problem(cfg)
 
 
 def refuse_without_training_split(cfg: DictConfig, method: str) -> None:
@@ -65,53 +57,25 @@ def train_suite_reads(cfg: DictConfig) -> tuple[str, ...]:
 def train_suite_spec(cfg: DictConfig, n_per_env: int | None = None, limit: int | None = None) -> dict[str, Any]:
     """The JSON-able description of the target's training suite (an env Factory's kwargs, a cache identity):
     the benchmark without its evaluation subset (split, task_ids, limit), the user and, for an LLM user, its
-    endpoint. ``limit``: tau2, first n train tasks per domain; ``n_per_env``: synthetic, instances per env."""
+    endpoint, and the target's size knob (``Target.train_spec``: ``limit``, first n training tasks per domain;
+    ``n_per_env`` for synthetic targets, instances per environment)."""
     bench = {k: v for k, v in _plain(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
+    if not bench.get("train_domains"):  # a ToolSandbox key: absent elsewhere, so other targets' identities stay
+        bench.pop("train_domains", None)
     spec: dict[str, Any] = {"benchmark": bench, "user": _plain(cfg.user)}
     if cfg.user.kind == "llm":
         spec["llm"] = {"endpoints": {cfg.user.endpoint: _plain(cfg.llm.endpoints[cfg.user.endpoint])}}
         spec["backbone"] = _plain(cfg.backbone)
         spec["agent"] = {"batch_size": cfg.agent.batch_size, "constrained_tool_calls": False}
-    if bench["kind"] == "tau2":
-        spec["limit"] = limit
-    elif bench["kind"] in ("coding", "swebench"):  # issue 20: the coding train split (tracekit/coding/config.py)
-        spec["benchmark"]["kind"] = "coding"
-        spec["limit"] = limit
-    else:
-        spec["n_per_env"] = int(n_per_env or 1)
-    return spec
+    return target_of(cfg).train_spec(cfg, spec, n_per_env, limit)
 
 
 def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any:
-    """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``).
-    ``cache_dir``: where the coding target's generated tasks are cached (default ``$TRACEKIT_CACHE`` or
-    ``outputs/cache`` under ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
-    from tracekit.stages import TRAIN_SEED_OFFSET, build_user, client_for
-
+    """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``),
+    built by the target the spec's benchmark names (``Target.train_suite``; ``cache_dir``: the coding target's task
+    cache)."""
     cfg = OmegaConf.create(spec)
-    b = cfg.benchmark
-    if b.kind == "coding":
-        import os
-
-        from tracekit.coding.config import build_suite as coding_suite
-
-        root = cache_dir or os.environ.get("TRACEKIT_CACHE") or os.path.join(
-            os.environ.get("TRACEKIT_ROOT", os.getcwd()), "outputs", "cache")
-        return coding_suite(b, root, split="train", reward=spec.get("reward", "tests"), limit=spec.get("limit"))
-    if b.kind == "tau2":
-        from tracekit.envs.tau2 import Tau2Suite
-
-        return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
-                         user=build_user(cfg), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
-    if b.kind == "synthetic":
-        from tracekit.synthesis.library_target import LibraryTargetSuite
-
-        llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
-                    if cfg.user.kind == "llm" else {})
-        return LibraryTargetSuite(f"{b.name}-train", list(b.envs), difficulty=b.difficulty,
-                                  n_per_env=int(spec["n_per_env"]), seed_offset=TRAIN_SEED_OFFSET,
-                                  user=cfg.user.kind, **llm_user)
-    raise ValueError(f"benchmark.kind={b.kind!r}: no training split is known for this target")
+    return target(cfg.benchmark.kind).train_suite(cfg, spec, cache_dir)
 
 
 def trace_episodes(train: Artifact) -> int:

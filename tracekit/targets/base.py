@@ -10,6 +10,8 @@ A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets i
 - ``reference_dictionary()`` / ``reference_labeler(noise)``: the fixed dictionary and heuristic labeler of
   ``analysis=reference``;
 - ``gold_agent()``: the agent of ``agent=gold`` (the wiring check: replays what the target defines as right);
+- ``training_split_problem(cfg)`` / ``train_spec(...)`` / ``train_suite(...)``: the tasks the baselines that learn
+  from the target train on (never the evaluated ones), through :mod:`tracekit.methods.target_train`;
 - ``metric`` and ``columns`` (the :data:`tracekit.reproduce.spec.COLUMNS` its tables use) and
   ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table.
 """
@@ -35,6 +37,23 @@ class Target:
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
         raise NotImplementedError(f"target {self.kind}: no suite is built")
+
+    def training_split_problem(self, cfg: DictConfig) -> str | None:
+        """Why the target has no training split to learn from (GRPO on target, GEPA, ...), or None when it has one."""
+        return f"benchmark.kind={self.kind}: no training split is known for this target"
+
+    def train_spec(self, cfg: DictConfig, spec: dict[str, Any], n_per_env: int | None, limit: int | None) -> dict[str, Any]:
+        """The JSON-able training suite description (``spec``: the benchmark without its evaluation subset, the user)
+        with this target's own size knob: ``limit`` (first n training tasks per domain) by default."""
+        return {**spec, "limit": limit}
+
+    def train_split_label(self, spec: dict[str, Any]) -> str:
+        """What the training tasks of ``spec`` (a :meth:`train_spec`) are, for a row's note."""
+        return f"{self.kind} training tasks"
+
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+        """The training tasks as an EnvSuite, from ``cfg`` (``spec`` as a config) in a fresh process."""
+        raise NotImplementedError(f"target {self.kind}: {self.training_split_problem(cfg)}")
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         raise NotImplementedError(f"target {self.kind}: no synthesis interface is known")

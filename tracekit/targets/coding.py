@@ -31,6 +31,28 @@ class CodingTarget(Target):
 
         return build_suite(cfg.benchmark, cfg.paths.cache_dir, split)
 
+    def training_split_problem(self, cfg: DictConfig) -> str | None:
+        """The local SWE-smith-style train split (for SWE-bench Verified: the disjoint one)."""
+        return "benchmark.split=train: the evaluated tasks are the training tasks" if cfg.benchmark.split == "train" else None
+
+    def train_spec(self, cfg: DictConfig, spec: dict[str, Any], n_per_env: int | None, limit: int | None) -> dict[str, Any]:
+        return {**spec, "benchmark": {**spec["benchmark"], "kind": "coding"}, "limit": limit}  # swebench trains locally
+
+    def train_split_label(self, spec: dict[str, Any]) -> str:
+        return f"local coding train split ({spec['benchmark'].get('coding', {}).get('package', 'the package')})"
+
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+        """``cache_dir``: where the generated tasks are cached (default ``$TRACEKIT_CACHE`` or ``outputs/cache`` under
+        ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
+        import os
+
+        from tracekit.coding.config import build_suite as coding_suite
+
+        root = cache_dir or os.environ.get("TRACEKIT_CACHE") or os.path.join(
+            os.environ.get("TRACEKIT_ROOT", os.getcwd()), "outputs", "cache")
+        return coding_suite(cfg.benchmark, root, split="train", reward=spec.get("reward", "tests"),
+                            limit=spec.get("limit"))
+
     def synthesis_family(self, cfg: DictConfig) -> str:
         return "coding"
 

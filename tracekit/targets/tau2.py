@@ -47,6 +47,27 @@ class Tau2Target(Target):
                          task_ids=list(b.task_ids) if b.task_ids else None, limit=b.limit,
                          user=build_user(cfg, client_for), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
 
+    def training_split_problem(self, cfg: DictConfig) -> str | None:
+        """tau^2's ``train`` split (``split_tasks.json``): disjoint from the evaluated ``test``/``base`` tasks."""
+        b = cfg.benchmark
+        if b.split == "train":
+            return "benchmark.split=train: the evaluated tasks are tau^2's training tasks"
+        from tracekit.envs.tau2 import load_splits
+
+        missing = [d for d in b.domains if not load_splits(d).get("train")]
+        return f"tau^2 domain(s) {missing} have no 'train' split in split_tasks.json" if missing else None
+
+    def train_split_label(self, spec: dict[str, Any]) -> str:
+        return "tau^2 train split"
+
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+        from tracekit.envs.tau2 import Tau2Suite
+        from tracekit.stages import build_user
+
+        b = cfg.benchmark
+        return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
+                         user=build_user(cfg), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
+
     def synthesis_family(self, cfg: DictConfig) -> str:
         domains = list(cfg.benchmark.domains)
         if len(domains) == 1:

@@ -39,6 +39,28 @@ class LibraryTarget(Target):
         return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
                                   user=cfg.user.kind, **llm_user)
 
+    def training_split_problem(self, cfg: DictConfig) -> str | None:
+        return None  # instances from the training seeds, disjoint from the held-out ones and from validation's
+
+    def train_spec(self, cfg: DictConfig, spec: dict[str, Any], n_per_env: int | None, limit: int | None) -> dict[str, Any]:
+        return {**spec, "n_per_env": int(n_per_env or 1)}
+
+    def train_split_label(self, spec: dict[str, Any]) -> str:
+        return "library environments' training seeds"
+
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+        """Instances of the same library environments at the target's difficulty from the training seeds
+        (``tracekit.stages.TRAIN_SEED_OFFSET`` on)."""
+        from tracekit.stages import TRAIN_SEED_OFFSET, client_for
+        from tracekit.synthesis.library_target import LibraryTargetSuite
+
+        b = cfg.benchmark
+        llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
+                    if cfg.user.kind == "llm" else {})
+        return LibraryTargetSuite(f"{b.name}-train", list(b.envs), difficulty=b.difficulty,
+                                  n_per_env=int(spec["n_per_env"]), seed_offset=TRAIN_SEED_OFFSET,
+                                  user=cfg.user.kind, **llm_user)
+
     def synthesis_family(self, cfg: DictConfig) -> str:
         from tracekit.synthesis.library import library_env
 

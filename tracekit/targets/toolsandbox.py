@@ -2,7 +2,13 @@
 its environment server (:mod:`tracekit.envs.toolsandbox`), scored by its own evaluator. A trajectory's reward is
 its similarity in [0, 1], success is similarity 1.0; the metrics are the mean similarity and the perfect rate
 (App. F, eqs. 3-4) over the 129 base scenarios (``benchmark.domains: [base]``), the named variants as further
-domains (columns), and a per-category breakdown (ToolSandbox's scenario categories)."""
+domains (columns), and a per-category breakdown (ToolSandbox's scenario categories).
+
+Training split: ToolSandbox has none, and the paper's in-domain rows (Table 8's bottom block, Figure 5) name
+none. The baselines that learn from the target train on ``benchmark.train_domains``: named variants of the
+scenarios (default ``3_distraction_tools``: each scenario with three distraction tools added), never an evaluated
+domain. They are the evaluated tasks with another tool set, so such a row measures in-domain training, as the
+paper's does, not generalization to unseen tasks."""
 
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ class ToolSandboxTarget(Target):
                f"a non-empty list of ToolSandbox domains ({', '.join(DOMAINS)}) with benchmark.kind=toolsandbox")
         _check(b.split == "base", "benchmark.split", b.split, "base with benchmark.kind=toolsandbox (ToolSandbox has "
                "no train/test split)")
+        _check(all(d in DOMAINS and d != "base" for d in b.train_domains), "benchmark.train_domains",
+               list(b.train_domains), f"ToolSandbox variant domains ({', '.join(DOMAINS[1:])})")
         if cfg.user.kind == "llm":
             ep = cfg.llm.endpoints.get(cfg.user.endpoint)
             _check(ep is None or ep.kind == "openai", f"llm.endpoints.{cfg.user.endpoint}.kind",
@@ -55,6 +63,24 @@ class ToolSandboxTarget(Target):
         b = cfg.benchmark
         return ToolSandboxSuite(name=b.name, domains=list(b.domains), task_ids=list(b.task_ids) if b.task_ids else None,
                                 limit=b.limit, user=self.user_spec(cfg))
+
+    def training_split_problem(self, cfg: DictConfig) -> str | None:
+        b = cfg.benchmark
+        if not b.train_domains:
+            return ("ToolSandbox has no train/test split: name the scenario variants to train on, e.g. "
+                    "benchmark.train_domains=[3_distraction_tools]")
+        evaluated = sorted(set(b.train_domains) & set(b.domains))
+        return f"benchmark.train_domains {evaluated} are evaluated (benchmark.domains)" if evaluated else None
+
+    def train_split_label(self, spec: dict[str, Any]) -> str:
+        return f"ToolSandbox variants {', '.join(spec['benchmark']['train_domains'])} (the evaluated scenarios, other tools)"
+
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+        from tracekit.envs.toolsandbox import ToolSandboxSuite
+
+        b = cfg.benchmark
+        return ToolSandboxSuite(name=f"{b.name}-train", domains=list(b.train_domains), limit=spec.get("limit"),
+                                user=self.user_spec(cfg))
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         return "toolsandbox"
