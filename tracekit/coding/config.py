@@ -58,6 +58,12 @@ def check(bench: Any) -> list[tuple[str, Any, str]]:
     first; the per-value ranges and choices are in :data:`RANGES` / :data:`CHOICES`)."""
     if bench.kind in ("coding", "swebench") and bench.split not in SPLITS:
         return [("benchmark.split", bench.split, f"one of {', '.join(SPLITS)} with benchmark.kind={bench.kind}")]
+    if bench.kind in ("coding", "swebench"):  # the agent's commands run only in the jail, never uncontained
+        from tracekit.coding.sandbox import jail_problem
+
+        problem = jail_problem()
+        if problem:
+            return [("benchmark.kind", bench.kind, f"a target whose sandbox can start on this machine ({problem})")]
     return []
 
 
@@ -83,7 +89,11 @@ def command_limits(bench: Any):
 
 def build_suite(bench: Any, cache_dir: str | Path, split: str | None = None, reward: str = "tests",
                 limit: Any = "config") -> Any:
-    """The EnvSuite of a ``benchmark`` node of kind coding (tasks generated once into ``cache_dir``) or swebench."""
+    """The EnvSuite of a ``benchmark`` node of kind coding (tasks generated once into ``cache_dir``) or swebench.
+    Refuses (JailUnavailable, one line) where the sandbox cannot start, before any work."""
+    from tracekit.coding.sandbox import require_jail
+
+    require_jail()
     if bench.kind == "swebench":
         from tracekit.coding.swebench import SweBenchSuite
 

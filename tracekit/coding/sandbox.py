@@ -1,32 +1,63 @@
 """Run one untrusted shell command (an agent's bash call, a test suite on a patched tree) in a task's private copy.
 
-Every command is a fresh process tree; nothing persists between commands but the files of the copy.
+Every command is a fresh process tree in a jail (:mod:`tracekit.coding._jail`); nothing persists between commands
+but the files of the copy. There is no uncontained fallback: where the jail cannot be set up, :func:`run` raises
+:class:`JailUnavailable` with one line naming what is missing (:func:`jail_problem`), and the coding target refuses
+to run (``tracekit.coding.config.check``, at validation, before any work).
 
-What is enforced (``isolation()`` says which applies on this machine, and every result records it):
+**What the command sees** (an allow-list, not a host root with parts hidden): an empty tmpfs root into which are
+bound, read-only, ``/usr`` and the library/binary directories (``/bin``, ``/lib*``, ``/sbin``: symlinks into ``/usr``
+where the host has them so), a few loader files of ``/etc`` (``ld.so.cache``, ``alternatives``, ...; ``passwd``,
+``group``, ``hosts`` are generated: root and nobody only), ``/dev/{null,zero,full,random,urandom}``, the interpreter's
+prefix(es) wherever they live (``sys.prefix``, ``sys.base_prefix``: a venv under /tmp or $HOME, pyenv, conda, the
+system), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file); writable: its own task
+copy (and ``writable``: a results directory); fresh size-limited tmpfs on ``/tmp``, ``/var/tmp``, ``/dev/shm``; a fresh
+procfs of its own PID namespace. Nothing else exists for it: not the stage cache (gold patches, hidden tests), not
+the host checkout, not the host /proc, not $HOME, not sibling task copies (only its own directory under
+:func:`work_root` is bound), not a host unix socket (filesystem sockets are not bound; abstract ones belong to the
+network namespace). Where one of those lies inside a bound directory (a checkout under /usr, a cache inside the
+prefix) it is covered by an empty read-only tmpfs (:func:`secret_paths`). Network: a fresh network namespace (no
+interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
 
-- CPU time: ``RLIMIT_CPU`` (soft = limit, hard = limit + 1 s: SIGXCPU, then SIGKILL).
-- Wall time: a deadline; past it the whole process tree is SIGKILLed (with namespaces: the command's PID
-  namespace dies with its init, so background processes such as ``sleep 1000 &`` die too).
-- Memory: ``RLIMIT_AS``; file size: ``RLIMIT_FSIZE`` (also bounds the captured output: output goes to a file).
-- Processes: ``RLIMIT_NPROC`` (a fork bomb stops at the limit; the kernel exempts uid 0, which is why the
-  command runs as ``nobody``).
-- As root with ``unshare`` and ``setpriv`` (``mode="namespaces"``): a fresh network namespace (no network, loopback
-  down), mount namespace (private tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm``: writes there vanish with the
-  command) and PID namespace; the command runs as ``nobody``, owner of the copy only, so a write anywhere else is
-  refused by the kernel. Task copies live under :func:`work_root` (not in a world-writable directory).
-- Otherwise (``mode="rlimits"``): only the rlimits, the deadline and a scrubbed environment; network and writes
-  outside the copy are NOT contained (said in ``isolation()`` and in every result).
+**Who runs it** (``isolation()["mode"]``): as root (``root``) the command runs as ``nobody``, owner of its copy
+only; otherwise (``userns``) the jail is built in a user namespace where the caller is root, and the command runs
+in a second, nested user namespace, so it has no capability over the jail's mounts (it cannot unmount the root or
+remount a bind writable) and cannot create setuid files. Either way: no new privileges, no core files.
+
+**Limits.** CPU: ``RLIMIT_CPU`` (SIGXCPU, then SIGKILL). Wall: a deadline; past it the whole PID namespace dies
+(background and daemonized processes too). One file: ``RLIMIT_FSIZE`` (it also bounds the captured output). One
+allocation: ``RLIMIT_AS`` per process (a clean ``MemoryError``). Per episode (all processes of the command at once;
+no process outlives its command, so this bounds everything of the episode that can run at the same time):
+
+- ``accounting() == "cgroup2"``: a cgroup v2 per command under the process's own cgroup, where it is delegated
+  (writable, with ``memory`` and ``pids`` in ``cgroup.subtree_control``): ``memory.max`` (swap 0) and ``pids.max``.
+- ``"cgroup1"``: where cgroup v2 has no memory/pids controllers for this process but the v1 ``memory`` and ``pids``
+  hierarchies are writable (root on a hybrid host, such as the machines this was written on: v2 mounted at
+  ``/sys/fs/cgroup/unified`` with ``hugetlb`` only): ``memory.limit_in_bytes`` (+ ``memsw``) and ``pids.max``.
+- ``"watchdog"`` (no usable cgroup, e.g. not root without delegation): the jail's PID 1 sums the resident memory
+  of every process of the namespace plus its tmpfs usage every 50 ms and kills the namespace over the limit (an
+  overshoot of at most one interval of allocation); processes: ``RLIMIT_NPROC`` inside the command's own user
+  namespace (counted per namespace since Linux 5.14, so it bounds this command's processes, not the uid's).
+  ``TRACEKIT_SANDBOX_ACCOUNTING=cgroup2|cgroup1|watchdog`` forces one (refused in one line where it cannot work).
+
+Disk, per episode: as root a :class:`~tracekit.coding.repo.Workspace`'s copy is a tmpfs of its initial size plus
+``disk_bytes`` (:func:`bounded_dir`): writes past it fail with ``No space left on device`` across all the
+episode's commands; otherwise the watchdog polls the size of the writable paths and kills the command over it.
 
 A command that hits a limit is never an exception: :class:`CommandResult` says what happened (``events``:
-``wall_time``, ``cpu_time``, ``killed``, ``memory``, ``processes``, ``file_size``, ``network_blocked``, ``write_denied``,
-``output_truncated``) and the caller (the episode, the test runner) records and counts it.
+``wall_time``, ``cpu_time``, ``killed``, ``memory``, ``processes``, ``disk``, ``file_size``, ``network_blocked``,
+``write_denied``, ``output_truncated``) and the caller (the episode, the test runner) records and counts it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import itertools
+import marshal
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -38,21 +69,39 @@ from pathlib import Path
 
 NOBODY = 65534
 JAIL = Path(__file__).with_name("_jail.py")
+ACCOUNTINGS = ("cgroup2", "cgroup1", "watchdog")
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_KEPT = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "protocols", "services",
+            "mime.types", "magic", "magic.mime")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+ETC_MADE = {
+    "passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/tmp:/bin/sh\n",
+    "group": "root:x:0:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1 localhost\n::1 localhost\n",
+    "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+}
+COPY_INODES = 50_000  # files and directories an episode may add to its copy
 
 
 @dataclass(frozen=True)
 class CommandLimits:
     cpu_seconds: int = 30
     wall_seconds: float = 60.0
-    memory_bytes: int = 2 << 30
+    memory_bytes: int = 2 << 30  # all processes of the command together (and each one's address space)
     file_bytes: int = 64 << 20
-    processes: int = 128
+    processes: int = 128  # all processes of the command together
     output_chars: int = 8000  # what the agent sees: head and tail of the combined stdout/stderr
+    disk_bytes: int = 512 << 20  # what an episode may add to its copy (and each private /tmp's size)
 
     def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "wall_seconds", "memory_bytes", "file_bytes", "processes", "output_chars"):
+        for name in ("cpu_seconds", "wall_seconds", "memory_bytes", "file_bytes", "processes", "output_chars",
+                     "disk_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CommandLimits.{name} must be > 0, got {getattr(self, name)}")
+
+
+class JailUnavailable(RuntimeError):
+    """The jail cannot be set up on this machine (one line naming what is missing); nothing ran."""
 
 
 @dataclass
@@ -62,7 +111,7 @@ class CommandResult:
     output: str  # combined stdout + stderr, truncated to the limit (head and tail kept)
     wall_s: float
     events: list[str] = field(default_factory=list)
-    mode: str = "rlimits"
+    mode: str = "root"
 
     @property
     def contained(self) -> bool:
@@ -80,62 +129,433 @@ class CommandResult:
         return f"{self.output}\n[{status}]{tail}" if self.output else f"[{status}]{tail}"
 
 
-@functools.cache
-def namespaces_available() -> bool:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        r = subprocess.run(["unshare", "--mount", "--net", "--pid", "--fork", "--mount-proc", "--", "true"],
-                           capture_output=True, timeout=20)
-        return r.returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
 def mode() -> str:
-    return "namespaces" if namespaces_available() else "rlimits"
+    """``root`` (the command runs as nobody) or ``userns`` (built in a user namespace of the caller)."""
+    return "root" if os.geteuid() == 0 else "userns"
 
 
-def isolation() -> dict[str, str]:
-    """What this machine enforces for agent commands (recorded in reports)."""
-    ns = namespaces_available()
-    return {
-        "mode": mode(),
-        "cpu": "RLIMIT_CPU", "wall": "deadline + SIGKILL of the process tree" + (" (PID namespace)" if ns else ""),
-        "memory": "RLIMIT_AS", "processes": "RLIMIT_NPROC" + (" as nobody" if ns else " (not enforced for uid 0)"),
-        "files": ("runs as nobody, owner of the task copy only; private tmpfs over /tmp, /var/tmp, /dev/shm"
-                  if ns else "NOT contained: only RLIMIT_FSIZE"),
-        "network": "network namespace (unshare --net)" if ns else "NOT contained",
-    }
+# ---------------------------------------------------------------- accounting (memory and processes per command)
 
 
-def work_root() -> Path:
-    """Where task copies live: ``$TRACEKIT_CODING_WORKDIR``, else (namespaces) ``/var/lib/tracekit-coding`` (a
-    private tmpfs covers the world-writable temp directories inside a command), else the temp directory."""
-    env = os.environ.get("TRACEKIT_CODING_WORKDIR")
+def _mounts() -> list[tuple[str, str, str, str]]:
+    """(root, mount point, fs type, super options) of every mount of this process."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            a, b = left.split(), right.split()
+            if len(a) >= 5 and len(b) >= 3:
+                out.append((a[3], a[4].replace("\\040", " "), b[0], b[2]))
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller (``""`` for v2) -> this process's cgroup path."""
+    out = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in ctrls.split(",") if ctrls else [""]:
+                out[c] = path
+    return out
+
+
+def _under(mount_root: str, mount_point: str, path: str) -> str | None:
+    rel = os.path.relpath(path, mount_root)
+    return None if rel.startswith("..") else os.path.normpath(os.path.join(mount_point, rel))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _counter(text: str, key: str) -> int:
+    m = re.search(rf"^{key} (\d+)$", text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+_SEQ = itertools.count()
+
+
+class Accounting:
+    """Per-command cgroups (``dirs``: where each is made) or none (``watchdog``)."""
+
+    def __init__(self, name: str, dirs: dict[str, str], why: str):
+        self.name, self.dirs, self.why = name, dirs, why
+
+    def describe(self) -> dict[str, str]:
+        if self.name == "cgroup2":
+            return {"memory": "cgroup v2 memory.max per command (all its processes; swap 0) + RLIMIT_AS per process",
+                    "processes": "cgroup v2 pids.max per command"}
+        if self.name == "cgroup1":
+            return {"memory": "cgroup v1 memory.limit_in_bytes (+memsw) per command (all its processes) + "
+                              "RLIMIT_AS per process",
+                    "processes": "cgroup v1 pids.max per command"}
+        return {"memory": "watchdog: RSS of every process of the command's PID namespace + its tmpfs, polled "
+                          "every 50 ms, killed over the limit; + RLIMIT_AS per process",
+                "processes": "RLIMIT_NPROC inside the command's own user namespace (per command)"}
+
+    def create(self, limits: CommandLimits) -> list[str]:
+        """The command's cgroup directories (limits written), or [] for the watchdog."""
+        made = []
+        try:
+            for kind, base in self.dirs.items():
+                d = os.path.join(base, f"tracekit-{os.getpid()}-{next(_SEQ)}")
+                os.mkdir(d)
+                made.append(d)
+                if self.name == "cgroup2":
+                    _put(d, "memory.max", limits.memory_bytes)
+                    if os.path.exists(os.path.join(d, "memory.swap.max")):
+                        _put(d, "memory.swap.max", 0)
+                    _put(d, "pids.max", limits.processes)
+                elif kind == "memory":
+                    _put(d, "memory.limit_in_bytes", limits.memory_bytes)
+                    if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+                        _put(d, "memory.memsw.limit_in_bytes", limits.memory_bytes)
+                else:
+                    _put(d, "pids.max", limits.processes)
+        except OSError as e:
+            self.remove(made)
+            raise JailUnavailable(f"coding sandbox: cannot make the command's cgroup under {base} "
+                                  f"({self.name}): {e.strerror}") from None
+        return made
+
+    def events(self, dirs: list[str]) -> list[str]:
+        out = []
+        for d in dirs:
+            if self.name == "cgroup2":
+                if _counter(_read(os.path.join(d, "memory.events")), "oom_kill"):
+                    out.append("memory")
+                if _counter(_read(os.path.join(d, "pids.events")), "max"):
+                    out.append("processes")
+            elif os.path.exists(os.path.join(d, "memory.oom_control")):
+                if _counter(_read(os.path.join(d, "memory.oom_control")), "oom_kill"):
+                    out.append("memory")
+            elif _counter(_read(os.path.join(d, "pids.events")), "max"):
+                out.append("processes")
+        return out
+
+    def kill(self, dirs: list[str]) -> None:
+        for d in dirs:
+            if os.path.exists(os.path.join(d, "cgroup.kill")):
+                try:
+                    _put(d, "cgroup.kill", 1)
+                    continue
+                except OSError:
+                    pass
+            for pid in _read(os.path.join(d, "cgroup.procs")).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def remove(self, dirs: list[str]) -> None:
+        for d in dirs:
+            for attempt in range(100):  # the namespace's processes are reaped asynchronously
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if attempt == 20:
+                        self.kill([d])
+                    time.sleep(0.01)
+
+
+def _put(d: str, name: str, value: object) -> None:
+    with open(os.path.join(d, name), "w") as f:
+        f.write(str(value))
+
+
+def _probe_dirs(name: str, dirs: dict[str, str]) -> str | None:
+    """None if a child cgroup can be made (and removed) in each of ``dirs``, else why not."""
+    acc = Accounting(name, dirs, "")
+    try:
+        acc.remove(acc.create(CommandLimits()))
+    except JailUnavailable as e:
+        return str(e).split(": ", 1)[-1]
+    return None
+
+
+def _find_cgroup2() -> tuple[dict[str, str] | None, str]:
+    own = _own_cgroups().get("")
+    mounts = [(r, p) for r, p, t, _ in _mounts() if t == "cgroup2"]
+    if own is None or not mounts:
+        return None, "no cgroup v2 for this process"
+    for root, point in mounts:
+        base = _under(root, point, own)
+        if base is None or not os.path.isdir(base):
+            continue
+        have = set(_read(os.path.join(base, "cgroup.controllers")).split())
+        if not {"memory", "pids"} <= have:
+            return None, f"cgroup v2 at {base} has no memory/pids controllers ({' '.join(sorted(have)) or 'none'})"
+        enabled = set(_read(os.path.join(base, "cgroup.subtree_control")).split())
+        if not {"memory", "pids"} <= enabled:
+            try:
+                _put(base, "cgroup.subtree_control", "+memory +pids")
+            except OSError as e:
+                return None, (f"cgroup v2 at {base} does not delegate memory/pids to child cgroups "
+                              f"(cgroup.subtree_control: {e.strerror})")
+        why = _probe_dirs("cgroup2", {"": base})
+        return (None, f"cgroup v2 at {base}: {why}") if why else ({"": base}, f"cgroup v2 delegated at {base}")
+    return None, "this process's cgroup v2 directory is not mounted"
+
+
+def _find_cgroup1() -> tuple[dict[str, str] | None, str]:
+    own = _own_cgroups()
+    dirs = {}
+    for ctrl in ("memory", "pids"):
+        for root, point, fstype, opts in _mounts():
+            if fstype == "cgroup" and ctrl in opts.split(",") and ctrl in own:
+                base = _under(root, point, own[ctrl])
+                if base and os.path.isdir(base):
+                    dirs[ctrl] = base
+                    break
+        if ctrl not in dirs:
+            return None, f"no cgroup v1 {ctrl} hierarchy for this process"
+    why = _probe_dirs("cgroup1", dirs)
+    if why:
+        return None, f"cgroup v1 memory/pids not writable ({why})"
+    return dirs, f"cgroup v1 memory at {dirs['memory']}, pids at {dirs['pids']}"
+
+
+def accounting() -> Accounting:
+    """How memory and processes are bounded per command here (see the module docstring); JailUnavailable when a
+    forced ``TRACEKIT_SANDBOX_ACCOUNTING`` cannot work."""
+    return _accounting(os.environ.get("TRACEKIT_SANDBOX_ACCOUNTING", "").strip())
+
+
+@functools.cache
+def _accounting(forced: str) -> Accounting:
+    if forced and forced not in ACCOUNTINGS:
+        raise JailUnavailable(f"coding sandbox: TRACEKIT_SANDBOX_ACCOUNTING={forced!r} is not one of "
+                              f"{', '.join(ACCOUNTINGS)}")
+    notes = []
+    for name, find in (("cgroup2", _find_cgroup2), ("cgroup1", _find_cgroup1)):
+        if forced and forced != name:
+            continue
+        try:
+            dirs, why = find()
+        except OSError as e:
+            dirs, why = None, f"cannot read the cgroups: {e}"
+        if dirs:
+            return Accounting(name, dirs, "; ".join([*notes, why]))
+        if forced:
+            raise JailUnavailable(f"coding sandbox: TRACEKIT_SANDBOX_ACCOUNTING={forced}: {why}")
+        notes.append(why)
+    why = "forced" if forced else "; ".join(notes)
+    return Accounting("watchdog", {}, why)
+
+
+# ---------------------------------------------------------------- the view
+
+
+def _real(p: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(p))
+
+
+def _inside(path: str, directory: str) -> bool:
+    return directory == "/" or path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _unreadable_prefix() -> str | None:
+    """As root the command runs as nobody: a prefix nobody cannot read (a venv made with umask 077) cannot run."""
+    if mode() != "root":
+        return None
+    for p in interpreter_paths():
+        if os.stat(p).st_mode & 0o005 != 0o005:
+            return (f"the interpreter's prefix {p} is not readable by the sandbox user nobody "
+                    f"(mode {os.stat(p).st_mode & 0o777:o}): chmod o+rx it, or use an interpreter installed elsewhere")
+    return None
+
+
+def interpreter_paths() -> list[str]:
+    """The directories the interpreter of ``python`` in a command needs: the prefixes of this interpreter (a venv
+    and its base), and the Nix store when it comes from there."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    exe = os.path.realpath(sys.executable)
+    paths.append(os.path.dirname(os.path.dirname(exe)))
+    if exe.startswith("/nix/store/"):
+        paths.append("/nix/store")
+    return [p for p in dict.fromkeys(os.path.abspath(p) for p in paths) if p and os.path.isdir(p)]
+
+
+def checkout_root() -> str | None:
+    """tracekit's source checkout (it holds ``outputs/``), or None when tracekit is installed into site-packages."""
+    top = Path(__file__).resolve().parents[2]
+    return str(top) if (top / "pyproject.toml").exists() or (top / "conf").is_dir() else None
+
+
+def secret_paths() -> list[str]:
+    """What a command must never see even where a bound directory holds it: the stage cache, tracekit's
+    ``outputs``, the checkout, the work root (sibling copies), $HOME."""
+    out = []
+    for env in ("TRACEKIT_CACHE",):
+        if os.environ.get(env):
+            out.append(os.environ[env])
+    for base in (os.environ.get("TRACEKIT_ROOT"), os.getcwd()):
+        if base:
+            out.append(os.path.join(base, "outputs"))
+    top = checkout_root()
+    if top:
+        out.append(top)
+    out.append(str(work_root()))
+    if os.environ.get("HOME"):
+        out.append(os.environ["HOME"])
+    return [p for p in dict.fromkeys(_real(p) for p in out) if os.path.isdir(p)]
+
+
+def _bind(src: str, dst: str, rw: bool, dev: bool = False) -> dict:
+    return {"kind": "bind", "src": src, "dst": dst, "rw": rw, **({"dev": True} if dev else {})}
+
+
+def _tmpfs(dst: str, size: int, rw: bool = True, mode: str = "1777", inodes: int = 65536) -> dict:
+    return {"kind": "tmpfs", "dst": dst, "size": size, "rw": rw, "mode": mode, "inodes": inodes}
+
+
+def _targets(p: str | os.PathLike) -> list[str]:
+    return list(dict.fromkeys([os.path.normpath(os.path.abspath(p)), _real(p)]))
+
+
+def view(cwd: Path, limits: CommandLimits, read_only=(), writable=()) -> tuple[list[dict], list[list[str]]]:
+    """(mounts in the order the jail makes them, symlinks) for a command in ``cwd``."""
+    mounts: list[dict] = []
+    links: list[list[str]] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            links.append([d, os.readlink(d)])
+        elif os.path.isdir(d):
+            mounts.append(_bind(_real(d), d, False))
+    for name in ETC_KEPT + tuple(sorted(n for n in os.listdir("/etc") if n.startswith("python3"))):
+        p = f"/etc/{name}"
+        if os.path.islink(p):
+            links.append([p, os.readlink(p)])
+        elif os.path.exists(p):
+            mounts.append(_bind(_real(p), p, False))
+    for name in DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            mounts.append(_bind(f"/dev/{name}", f"/dev/{name}", True, dev=True))
+    links += [["/dev/fd", "/proc/self/fd"], ["/dev/stdin", "/proc/self/fd/0"], ["/dev/stdout", "/proc/self/fd/1"],
+              ["/dev/stderr", "/proc/self/fd/2"]]
+    if _needs_shim():  # a system python3 with no `python` beside it (a venv's own `python` is never shimmed)
+        links.append([f"{SHIM_DIR}/python", sys.executable])
+    tmp_size = limits.disk_bytes
+    mounts += [_tmpfs("/tmp", tmp_size), _tmpfs("/var/tmp", tmp_size), _tmpfs("/dev/shm", tmp_size)]
+    extra_ro = [*interpreter_paths(), *map(str, read_only)]
+    for p in extra_ro:
+        for t in _targets(p):
+            mounts.append(_bind(_real(p), t, False))
+    for p in [cwd, *writable]:
+        for t in _targets(p):
+            mounts.append(_bind(_real(p), t, True))
+    # masks: a secret inside a bound directory (not one that is itself bound) is covered
+    binds = [m for m in mounts if m["kind"] == "bind" and not m.get("dev")]
+    bound = {m["dst"] for m in binds}
+    for s in secret_paths():
+        for m in binds:
+            if s != m["src"] and _inside(s, m["src"]):
+                dst = os.path.normpath(m["dst"] + "/" + os.path.relpath(s, m["src"]))
+                if dst not in bound:
+                    mounts.append(_tmpfs(dst, 1 << 20, rw=False, mode="0755", inodes=4096))
+    masks = [m["dst"] for m in mounts if m["kind"] == "tmpfs" and not m["rw"]]
+
+    def covered(m: dict) -> bool:  # a read-only bind already visible through a shallower one
+        if m["kind"] != "bind" or m["rw"] or m.get("dev") or m["src"] != m["dst"]:
+            return False
+        return any(o is not m and o["kind"] == "bind" and not o["rw"] and o["src"] == o["dst"]
+                   and o["dst"] != m["dst"] and _inside(m["dst"], o["dst"])
+                   and not any(_inside(k, o["dst"]) and _inside(m["dst"], k) for k in masks) for o in mounts)
+
+    out, seen = [], set()
+    for m in mounts:
+        if m["dst"] in seen or covered(m):
+            continue
+        seen.add(m["dst"])
+        out.append(m)
+    out.sort(key=lambda m: m["dst"].rstrip("/").count("/"))
+    return out, links
+
+
+# ---------------------------------------------------------------- work directories and bounded copies
+
+
+@functools.cache
+def _work_root(env: str | None, root_mode: bool) -> Path:
     if env:
         root = Path(env)
-    elif namespaces_available():
+    elif root_mode:
         root = Path("/var/lib/tracekit-coding")
     else:
         root = Path(tempfile.gettempdir()) / f"tracekit-coding-{os.getuid()}"
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o711)
+    if root_mode:
+        _sweep_stale(root)
     return root
 
 
+def work_root() -> Path:
+    """Where task copies live: ``$TRACEKIT_CODING_WORKDIR``, else (root) ``/var/lib/tracekit-coding``, else the temp
+    directory. Commands see only their own directory of it."""
+    return _work_root(os.environ.get("TRACEKIT_CODING_WORKDIR"), mode() == "root")
+
+
 def new_workdir(prefix: str) -> Path:
-    """A fresh directory under :func:`work_root`, traversable (not listable) by the sandbox user."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=work_root()))
+    """A fresh directory under :func:`work_root` (its name carries this process's pid: a copy left mounted by a
+    process that died is swept by the next one)."""
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=work_root()))
     os.chmod(path, 0o711)
     return path
 
 
+_BOUNDED: dict[str, int] = {}  # real path -> bytes the directory may hold (a tmpfs of that size, as root)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def bounded_dir(path: Path, size_bytes: int, inodes: int) -> bool:
+    """Bound what ``path`` (an empty directory) may hold: as root a tmpfs of ``size_bytes`` and ``inodes`` (writes
+    past it fail, whoever writes); otherwise the watchdog of every command that may write there. True if a tmpfs."""
+    real = _real(path)
+    _BOUNDED[real] = size_bytes
+    if mode() != "root":
+        return False
+    opts = f"size={size_bytes},nr_inodes={inodes},mode=0755".encode()
+    if _libc.mount(b"tmpfs", real.encode(), b"tmpfs", 2 | 4, opts) != 0:  # MS_NOSUID | MS_NODEV
+        n = ctypes.get_errno()
+        _BOUNDED.pop(real, None)
+        raise JailUnavailable(f"coding sandbox: cannot mount a tmpfs for the task copy at {real}: {os.strerror(n)}")
+    return True
+
+
+def release_dir(path: Path) -> None:
+    """Undo :func:`bounded_dir` (unmount the tmpfs; its files are gone)."""
+    real = _real(path)
+    if _BOUNDED.pop(real, None) is not None and mode() == "root":
+        _libc.umount2(real.encode(), 2)  # MNT_DETACH
+
+
+def _sweep_stale(root: Path) -> None:
+    """Unmount and remove copies under ``root`` whose process (the pid in their name) is gone."""
+    try:
+        points = [p for _, p, t, _ in _mounts() if t == "tmpfs" and _inside(p, str(root)) and p != str(root)]
+    except OSError:
+        return
+    for p in points:
+        m = re.match(r"[a-z]+-(\d+)-", Path(p).relative_to(root).parts[0])
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _libc.umount2(p.encode(), 2)
+            shutil.rmtree(root / Path(p).relative_to(root).parts[0], ignore_errors=True)
+
+
 def give_to_sandbox(path: Path) -> None:
-    """Make ``path`` (a task copy, a results directory) the sandbox user's, so commands may write there only."""
-    if not namespaces_available():
+    """Make ``path`` (a task copy, a results directory) the sandbox user's, so commands may write there only (as
+    root: ``nobody``; in a user namespace the caller's own files are the command's already)."""
+    if mode() != "root":
         return
     os.chown(path, NOBODY, NOBODY)
     for root, dirs, files in os.walk(path):
@@ -143,8 +563,17 @@ def give_to_sandbox(path: Path) -> None:
             os.lchown(os.path.join(root, name), NOBODY, NOBODY)
 
 
+SHIM_DIR = "/opt/tracekit/bin"  # in the jail: ``python`` for an interpreter installed as ``python3`` only
+
+
+def _needs_shim() -> bool:
+    return not os.path.exists(os.path.join(os.path.dirname(sys.executable), "python"))
+
+
 def scrubbed_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    path = os.pathsep.join(dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"]))
+    shim = [SHIM_DIR] if _needs_shim() else []
+    path = os.pathsep.join(dict.fromkeys([os.path.dirname(sys.executable), *shim, "/usr/local/bin", "/usr/bin",
+                                          "/bin"]))
     env = {"PATH": path, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "GIT_CONFIG_NOSYSTEM": "1",
            # pytest without the host's installed plugins (they are not the package's and take seconds to load)
@@ -154,12 +583,16 @@ def scrubbed_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# ---------------------------------------------------------------- running a command
+
 _PATTERNS = {
     "network_blocked": re.compile(r"Network is unreachable|Temporary failure in name resolution|"
                                   r"Name or service not known|Cannot assign requested address|Connection refused"),
     "write_denied": re.compile(r"Permission denied|Read-only file system|Operation not permitted"),
     "processes": re.compile(r"Resource temporarily unavailable|fork: retry|Cannot fork|can't fork"),
     "memory": re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc|memory exhausted"),
+    "disk": re.compile(r"No space left on device|Disk quota exceeded"),
+    "file_size": re.compile(r"File too large"),
 }
 
 
@@ -170,61 +603,181 @@ def _truncate(text: str, limit: int) -> tuple[str, bool]:
     return f"{text[:head]}\n[... {len(text) - head - tail} characters cut ...]\n{text[-tail:]}", True
 
 
+def _spec(cwd: Path, limits: CommandLimits, read_only, writable, acc: Accounting, cgroups: list[str],
+          status_fd: int) -> dict:
+    mounts, links = view(cwd, limits, read_only, writable)
+    root = mode() == "root"
+    watch: dict = {}
+    if acc.name == "watchdog":
+        watch["memory"] = limits.memory_bytes
+    unbounded = [str(p) for p in [cwd, *writable] if not (root and _real(p) in _BOUNDED)]
+    if unbounded:  # no tmpfs bounds these: the watchdog does (what a Workspace may hold, else growth from now)
+        budget = 0
+        for p in unbounded:
+            budget += _BOUNDED.get(_real(p)) or (_tree_bytes(Path(p)) + limits.disk_bytes)
+        watch.update(disk=budget, disk_paths=unbounded, disk_inodes=COPY_INODES * 4)
+    return {"mode": mode(), "cwd": str(cwd), "mounts": mounts, "symlinks": links, "etc": ETC_MADE,
+            "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroups],
+            "limits": {"cpu": limits.cpu_seconds, "memory": limits.memory_bytes, "file": limits.file_bytes,
+                       "nproc": limits.processes if acc.name == "watchdog" else None},
+            "command_userns": acc.name == "watchdog" or not root, "watch": watch,
+            "deadline_s": limits.wall_seconds + 2.0, "status_fd": status_fd}
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _read_status(fd: int) -> list[str]:
+    chunks, deadline = [], time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks).decode("utf-8", "replace").splitlines()
+
+
+def _jail_run(argv: list[str], cwd: Path, limits: CommandLimits, env: dict[str, str] | None, read_only, writable,
+              ) -> tuple[int | None, bytes, list[str], float]:
+    """(exit status or None at the wall limit, raw output, events, wall seconds); JailUnavailable if it cannot
+    start."""
+    acc = accounting()
+    cgroups = acc.create(limits) if acc.dirs else []
+    r, w = os.pipe()
+    events: list[str] = []
+    try:
+        full = [sys.executable, "-I", "-S", "-B", str(JAIL),
+                marshal.dumps(_spec(cwd, limits, read_only, writable, acc, cgroups, w)).hex(), "--", *argv]
+        t0 = time.monotonic()
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(full, cwd="/", stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=scrubbed_env(env), start_new_session=True, pass_fds=(w,))
+            os.close(w)
+            w = -1
+            try:
+                rc: int | None = _wait(proc, limits.wall_seconds)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+                acc.kill(cgroups)
+                proc.wait()
+                rc = None
+                events.append("wall_time")
+            wall = time.monotonic() - t0
+            status = _read_status(r)
+            out.seek(0)
+            raw = out.read(limits.file_bytes + 1)
+        events += [line.split(" ", 1)[1] for line in status if line.startswith("event ")]
+        events += [e for e in acc.events(cgroups) if e not in events]
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        acc.remove(cgroups)
+    if "ready" not in status:
+        errors = [line.split(" ", 1)[1] for line in status if line.startswith("error ")]
+        text = raw.decode("utf-8", "replace").strip().splitlines()
+        why = errors[0] if errors else (text[-1] if text else f"it exited {rc} before it was ready")
+        raise JailUnavailable(f"coding sandbox: the jail cannot start here: {why}")
+    return rc, raw, events, wall
+
+
+@functools.cache
+def _problem(forced: str, user: int, cwd: str) -> str | None:
+    unreadable = _unreadable_prefix()
+    if unreadable:
+        return f"coding sandbox: {unreadable}"
+    holder = new_workdir("probe-")
+    try:
+        give_to_sandbox(holder)
+        rc, raw, _, _ = _jail_run(["python", "-c", "import sys"], holder, CommandLimits(wall_seconds=20), None, (),
+                                  ())
+        if rc != 0:
+            said = " ".join(raw.decode("utf-8", "replace").split())[-300:]
+            return f"coding sandbox: the interpreter does not start in the jail (exit {rc}): {said}"
+    except JailUnavailable as e:
+        return str(e)
+    except OSError as e:
+        return f"coding sandbox: the jail cannot start here: {e}"
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+    return None
+
+
+def jail_problem() -> str | None:
+    """None where the jail works on this machine, else the one line that says what is missing (cached)."""
+    try:
+        return _problem(os.environ.get("TRACEKIT_SANDBOX_ACCOUNTING", ""), os.geteuid(), os.getcwd())
+    except JailUnavailable as e:
+        return str(e)
+
+
+def require_jail() -> None:
+    """Raise :class:`JailUnavailable` (one line) unless the jail works here: the coding target refuses to run
+    uncontained."""
+    problem = jail_problem()
+    if problem:
+        raise JailUnavailable(problem)
+
+
+def namespaces_available() -> bool:
+    """The jail works here (kept for callers of the earlier API)."""
+    return jail_problem() is None
+
+
+def isolation() -> dict[str, str]:
+    """What this machine enforces for agent commands (recorded in reports)."""
+    problem = jail_problem()
+    if problem:
+        return {"mode": "unavailable", "problem": problem}
+    acc = accounting()
+    root = mode() == "root"
+    return {
+        "mode": mode(), "accounting": acc.name, "accounting_why": acc.why,
+        "view": ("empty tmpfs root: read-only /usr, /lib*, loader files of /etc, the interpreter prefix(es) "
+                 f"{', '.join(interpreter_paths())}; writable: the task copy; fresh /proc, /tmp; nothing else"),
+        "cpu": "RLIMIT_CPU", "wall": "deadline + SIGKILL of the PID namespace", **acc.describe(),
+        "disk": ("the task copy is a tmpfs of its size + disk_bytes (per episode)" if root else
+                 "watchdog: the writable paths' size polled, killed over the copy's size + disk_bytes"),
+        "files": ("runs as nobody, owner of the task copy only" if root else
+                  "nested user namespace: no capability over the jail's mounts"),
+        "network": "network namespace (no interface up)",
+    }
+
+
 def run(command: str | list[str], cwd: Path, limits: CommandLimits = CommandLimits(),
-        env: dict[str, str] | None = None, read_only: tuple[Path, ...] = ()) -> CommandResult:
+        env: dict[str, str] | None = None, read_only: tuple[Path, ...] = (),
+        writable: tuple[Path, ...] = ()) -> CommandResult:
     """Run ``command`` (a bash command line, or an argv) in ``cwd`` under ``limits``; never raises for what the
-    command does (only for a missing ``cwd``). ``read_only``: directories the command must see even where a
-    private tmpfs covers them (a checkout of tracekit under /tmp); they stay read-only."""
+    command does (only for a missing ``cwd`` and :class:`JailUnavailable`). ``read_only``: paths the command must
+    also see (tracekit's pytest plugin); ``writable``: directories it may also write (a results directory)."""
     cwd = Path(cwd)
     if not cwd.is_dir():
         raise FileNotFoundError(f"no working directory {cwd}")
+    require_jail()
     argv = ["bash", "--noprofile", "--norc", "-c", command] if isinstance(command, str) else list(command)
-    ns = namespaces_available()
-    lim = [str(limits.cpu_seconds), str(limits.memory_bytes), str(limits.file_bytes), str(limits.processes)]
-    if ns:
-        full = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-                sys.executable, "-I", "-S", "-B", str(JAIL), str(cwd), *lim, *map(str, read_only), "--",
-                *argv]
-        preexec = None
-    else:
-        full = argv
-
-        def preexec() -> None:  # rlimits only (no namespaces, not root)
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-            if os.getuid() != 0:
-                resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-
-    events: list[str] = []
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(full, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=scrubbed_env(env), start_new_session=True, preexec_fn=preexec)
-        try:
-            rc: int | None = proc.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-            rc = None
-            events.append("wall_time")
-        wall = time.monotonic() - t0
-        if not ns:  # background children may still hold the group: one SIGKILL for the group
-            _kill_group(proc.pid)
-        out.seek(0)
-        raw = out.read(limits.file_bytes + 1)
+    rc, raw, events, wall = _jail_run(argv, cwd, limits, env, read_only, writable)
     text = raw.decode("utf-8", "replace")
     if rc is not None:
-        sig = -rc if rc < 0 else rc - 128 if rc > 128 else 0
+        if rc < 0:  # the jail itself died of a signal: report it as a shell would
+            rc = 128 - rc
+        sig = rc - 128 if rc > 128 else 0
         if sig == signal.SIGXCPU:
             events.append("cpu_time")
-        elif sig == signal.SIGKILL:  # not ours (ours is the wall deadline): the CPU hard limit or the kernel
-            events.append("killed")
+        elif sig == signal.SIGKILL and "memory" not in events and "disk" not in events:
+            events.append("killed")  # not ours (ours is the wall deadline): the CPU hard limit or the kernel
         elif sig == signal.SIGXFSZ:
             events.append("file_size")
-        if rc < 0:  # report a signal death as a shell would
-            rc = 128 - rc
     for name, pattern in _PATTERNS.items():
         if pattern.search(text) and name not in events:
             events.append(name)
@@ -232,7 +785,21 @@ def run(command: str | list[str], cwd: Path, limits: CommandLimits = CommandLimi
     if cut:
         events.append("output_truncated")
     return CommandResult(command if isinstance(command, str) else " ".join(command), rc, text, round(wall, 3),
-                         events, "namespaces" if ns else "rlimits")
+                         events, mode())
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    """``proc.wait(timeout)``, woken the moment it exits (Popen's own wait polls at up to 50 ms)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return proc.wait(timeout=timeout)
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        return proc.wait()
+    finally:
+        os.close(fd)
 
 
 def _kill_group(pid: int) -> None:
@@ -240,12 +807,3 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    _kill_group(proc.pid)
-    try:
-        proc.kill()
-    except ProcessLookupError:
-        pass
-    proc.wait()

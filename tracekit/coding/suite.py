@@ -85,7 +85,8 @@ class CodingEpisode(Episode):
         self._outcome: Outcome | None = None
 
     def reset(self) -> Observation:
-        self.ws = Workspace(self.suite.taskset.buggy_tree(self.task), prefix="ep-", agent_git=True)
+        self.ws = Workspace(self.suite.taskset.buggy_tree(self.task), prefix="ep-", agent_git=True,
+                            disk_bytes=self.suite.limits.disk_bytes)
         weakref.finalize(self, self.ws.close)  # an episode dropped before its outcome leaves no copy behind
         return Observation(messages=[Message(role="system", content=system_prompt(self.task)),
                                      Message(role="user", content=self.task.problem_statement)], tools=TOOLS)
@@ -151,7 +152,8 @@ class CodingEpisode(Episode):
             "status": verdict.status, "submitted": self.submitted, "answer": self.answer,
             "tests": _verdict_info(verdict), "commands": self.commands, "sandbox_events": dict(events),
             "format_errors": self.format_errors, "reward_kind": self.suite.reward, "modifier": self.task.modifier,
-            "entity": self.task.entity, "gold_patch_lines": _changed_lines(self.task.patch)})
+            "entity": self.task.entity, "gold_patch_lines": _changed_lines(self.task.patch),
+            "copy_cut": self.ws.cut if self.ws is not None else []})  # what the patch left out of the copy
         return self._outcome
 
 
