@@ -31,6 +31,7 @@ import re
 from collections import OrderedDict
 
 import numpy as np
+import torch
 
 from tracekit.llm.tools import check_chat_format
 from tracekit.types import stable_hash
@@ -145,19 +146,48 @@ class ToolCallGrammar:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         # bounded: with copy_ids every new set of seen identifiers is a new grammar
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        # one thread: a row's fill costs microseconds, less than waking a pool (measured, issue 30)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def matcher(self, tools: list[dict[str, Any]], chat_format: str, tool_choice: str = "auto",
                 copy_from: list[Any] | None = None) -> Any:
         """A fresh ``xgrammar.GrammarMatcher`` for one generation; ``copy_from``: the request's messages,
         to tighten the schemas with (:func:`tighten_tools`)."""
-        if copy_from is not None:
-            tools = tighten_tools(tools, identifier_candidates(copy_from))
-        tag = structural_tag(tools, chat_format, tool_choice, self.max_whitespace)
-        key = stable_hash(tag)
-        if key not in self._compiled:
-            self._remember(key, self._compiler.compile_structural_tag(tag))
-        self._compiled.move_to_end(key)
-        return self._xgr.GrammarMatcher(self._compiled[key])
+        return self.matchers([(tools, copy_from)], chat_format, tool_choice)[0]
+
+    def matchers(self, requests: list[tuple[list[dict[str, Any]], list[Any] | None]], chat_format: str,
+                 tool_choice: str = "auto", threads: int = 1) -> list[Any]:
+        """Fresh matchers for many generations at once, ``requests`` being ``(tools, copy_from)`` pairs (as
+        :meth:`matcher`'s arguments). The grammars not compiled yet are compiled on up to ``threads`` threads
+        (xgrammar compiles without the GIL; with ``copy_ids`` nearly every request of a turn has its own grammar)."""
+        keys, tags = [], {}
+        for tools, copy_from in requests:
+            if copy_from is not None:
+                tools = tighten_tools(tools, identifier_candidates(copy_from))
+            tag = structural_tag(tools, chat_format, tool_choice, self.max_whitespace)
+            keys.append(stable_hash(tag))
+            if keys[-1] not in self._compiled:
+                tags.setdefault(keys[-1], tag)
+        grammars = {k: self._compiled[k] for k in keys if k in self._compiled}  # before new ones push any out
+        new = list(tags)
+        if threads > 1 and len(new) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(threads, len(new))) as pool:
+                grammars.update(zip(new, pool.map(self._compiler.compile_structural_tag, [tags[k] for k in new])))
+        else:
+            grammars.update((k, self._compiler.compile_structural_tag(tags[k])) for k in new)
+        for key in keys:  # the cache's order as one matcher() call per request leaves it
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+            else:
+                self._remember(key, grammars[key])
+        return [self._xgr.GrammarMatcher(grammars[k]) for k in keys]
+
+    def clear(self) -> None:
+        """Forget every compiled grammar, the compiler's own cache included (the next matchers compile anew)."""
+        self._compiled.clear()
+        self._compiler.clear_cache()
 
     def _remember(self, key: str, grammar: Any) -> None:
         self._compiled[key] = grammar
@@ -186,5 +216,53 @@ class ToolCallGrammar:
         """Set the logits (1-D numpy, vocab) of every token the grammar forbids next to -inf, in place."""
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask, 0)
-        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        self.mask_row_(logits, bitmask.numpy()[0])
+
+    def mask_row_(self, logits: np.ndarray, bitmask: np.ndarray) -> None:
+        """:meth:`mask_` with the row's bitmask (int32 [ceil(vocab / 32)], as :meth:`fill` writes it) already filled."""
+        allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
         logits[: self.vocab_size][allowed == 0] = -np.inf
+
+    def masked_row_(self, out: np.ndarray, row: np.ndarray, bitmask: np.ndarray) -> np.ndarray | None:
+        """``out[:] = row`` (float32 -> float64: exact) with :meth:`mask_row_` applied: the same values, written
+        the cheaper way round for the row's mask. Most constrained steps allow a handful of tokens (the grammar
+        forces the call's fixed text): then ``out`` starts at -inf and takes the allowed logits, and the allowed
+        indices are returned (where the row has no columns past the vocabulary); otherwise ``out`` takes every
+        logit and the forbidden ones are set to -inf (-> None)."""
+        V = self.vocab_size
+        allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:V].view(bool)  # bool: a fast nonzero
+        if 4 * np.count_nonzero(allowed) < V:
+            out[:V] = -np.inf
+            idx = np.flatnonzero(allowed)
+            out[idx] = row[idx]
+            out[V:] = row[V:]
+            return idx if out.size == V else None
+        np.copyto(out, row)
+        out[np.flatnonzero(~allowed)] = -np.inf
+        return None
+
+    def fill(self, matchers: list[Any]) -> np.ndarray:
+        """The next-token bitmasks of ``matchers`` in one batched call: int32 [len(matchers), ceil(vocab / 32)]
+        (numpy: no torch kernel, whose thread pool costs more than the fill on a small busy host), bit j of row i set
+        where matcher i allows token j, each row as the matcher's own ``fill_next_token_bitmask`` writes it."""
+        bitmask = np.full((len(matchers), -(-self.vocab_size // 32)), -1, dtype=np.int32)
+        self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(bitmask))
+        return bitmask
+
+    def mask_rows_(self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+        """Set every token that ``bitmask[i]`` (:meth:`fill`) forbids to -inf in row ``rows[i]`` of ``logits``
+        [B, >= vocab] on the device, in place (columns from ``vocab`` on stay, as in :meth:`mask_`): the packed
+        mask travels (1/32 of the logits' bytes) and is unpacked there."""
+        if len(bitmask) != len(rows):
+            raise ValueError(f"mask_rows_: {len(bitmask)} bitmask rows for {len(rows)} logit rows")
+        if not rows:
+            return
+        V, dev = self.vocab_size, logits.device
+        words = torch.from_numpy(bitmask).to(dev)
+        bits = words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)
+        forbid = (bits & 1).view(len(rows), -1)[:, :V] == 0
+        if rows == list(range(logits.shape[0])):
+            logits[:, :V].masked_fill_(forbid, float("-inf"))
+        else:
+            index = torch.tensor(rows, device=dev)
+            logits[index, :V] = logits[index, :V].masked_fill_(forbid, float("-inf"))

@@ -17,8 +17,14 @@ without constraints (GRPO rollouts) this is exactly log pi_theta(token | context
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
+import os
+import weakref
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,7 +33,7 @@ import torch
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.constrained import TOOL_CHOICES, ToolCallGrammar
 from tracekit.llm.decoding import FastSession, causal_lm_of
-from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text
+from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text, render_prompt
 from tracekit.types import Message
 
 log = logging.getLogger(__name__)
@@ -83,6 +89,161 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.sum(np.exp(x - m))))
 
 
+_EXP_LANES: list[bool] = []  # whether numpy's exp of a lane is the same in place, alone and with where= (checked once)
+
+
+def _exp_lanes_independent() -> bool:
+    """Whether this numpy computes ``exp`` of a float64 lane the same whatever its neighbours (-inf ones included),
+    in place, on a short array of the finite lanes and under ``where=``: what lets :func:`greedy_pick` and :func:`sample_pick`
+    skip the -inf lanes of a masked row (their exp is exactly 0, and numpy takes a slow path for them) and reuse
+    buffers while giving :func:`pick_token`'s bits. Checked once on seeded random rows; False: the reference ops."""
+    if not _EXP_LANES:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal(8192) * 20 - 10
+        x[rng.random(8192) < 0.7] = -np.inf
+        ref = np.exp(x)
+        lanes = x != -np.inf
+        inplace = x.copy()
+        np.exp(inplace, out=inplace)
+        where = np.zeros_like(x)
+        np.exp(x, out=where, where=lanes)
+        alone = np.array([np.exp(x[i : i + 1])[0] for i in np.flatnonzero(lanes)[:64]])
+        compact = [np.array_equal(np.exp(x[lanes][:n]), ref[lanes][:n]) for n in (1, 3, 7, 8, 9, 33, 200)]
+        _EXP_LANES.append(bool(np.array_equal(ref, inplace) and np.array_equal(ref, where) and all(compact)
+                               and np.array_equal(alone, ref[np.flatnonzero(lanes)[:64]])))
+    return _EXP_LANES[0]
+
+
+def _exp_into(x: np.ndarray, out: np.ndarray, sparse: bool) -> np.ndarray:
+    """``out[:] = exp(x)``; with ``sparse`` (a masked row, ``out`` not ``x``) and -inf in most lanes, only the
+    others are computed (the rest set to exp(-inf) = 0 exactly)."""
+    if sparse and out is not x:
+        lanes = x != -np.inf
+        if 4 * np.count_nonzero(lanes) < x.size:
+            out.fill(0.0)
+            return np.exp(x, out=out, where=lanes)
+    return np.exp(x, out=out)
+
+
+def greedy_pick(logits: np.ndarray, token: int | None = None, scratch: np.ndarray | None = None,
+                sparse: bool = False) -> tuple[int, float]:
+    """``pick_token(logits, 0, ...)`` bit for bit, in place (``logits``, float64, is overwritten; ``scratch``: a
+    buffer of its size, needed for ``sparse``, see :func:`_exp_into`); ``token``: its argmax, where known. Needs
+    :func:`_exp_lanes_independent`. The argmax's value is the maximum (first on ties, NaN included; a signed zero
+    changes nothing: ``exp(x - 0.0) == exp(x + 0.0)``), and ``log_softmax(x)[t]`` is
+    ``x[t] - (m + log(sum(exp(x - m))))``: the same float64 operations on the same operands."""
+    token = int(np.argmax(logits)) if token is None else token
+    m = logits[token]
+    np.subtract(logits, m, out=logits)
+    e = _exp_into(logits, logits if scratch is None else scratch, sparse)
+    return token, float(m - (m + np.log(np.sum(e))))
+
+
+def sample_pick(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator,
+                scratch: np.ndarray, scratch2: np.ndarray | None = None, sparse: bool = False) -> tuple[int, float]:
+    """``pick_token(logits, temperature > 0, top_p, rng)`` bit for bit (the same float64 operations on the same
+    operands, one draw from ``rng``), in place: ``logits`` is overwritten and ``scratch`` (``scratch2`` for
+    ``sparse``: see :func:`_exp_into`) used, so that a row allocates nothing (fresh arrays of a vocabulary's size
+    cost page faults). Needs :func:`_exp_lanes_independent`."""
+    y = np.divide(logits, temperature, out=logits)
+    m = np.max(y)
+    np.subtract(y, m, out=scratch)
+    e = _exp_into(scratch, scratch if scratch2 is None else scratch2, sparse)
+    logp = np.subtract(y, m + np.log(np.sum(e)), out=y)
+    if top_p < 1.0:
+        order = np.argsort(-logp, kind="stable")
+        p_sorted = np.exp(logp[order])
+        mass_before = np.cumsum(p_sorted) - p_sorted
+        logp[order[mass_before >= top_p]] = -np.inf
+        logp = _log_softmax(logp)
+    p = _exp_into(logp, scratch, sparse)
+    cdf = np.cumsum(p, out=p)
+    token = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.size - 1)
+    return token, float(logp[token])
+
+
+def sparse_pick(x: np.ndarray, lanes: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator,
+                scratch: np.ndarray) -> tuple[int, float] | None:
+    """``pick_token(x, ...)`` bit for bit for a row whose logits are -inf outside ``lanes`` (sorted indices; a
+    grammar that allows a few tokens), touching the other lanes only to sum zeros: their exp is exactly 0, which
+    adds nothing to numpy's pairwise sum (``scratch``, float64 like ``x``, holds the zeros) nor to its sequential
+    cumsum, whose steps then sit at ``lanes`` (the first step above ``u * total`` is the token). None: no token can
+    be picked (no lane), or a case for the dense ops (nucleus sampling, NaN). Needs :func:`_exp_lanes_independent`."""
+    if not lanes.size or (temperature > 0 and top_p < 1.0):
+        return None
+    xs = x[lanes]
+    if temperature <= 0:
+        k = int(np.argmax(xs))  # the first maximum among the lanes: the row's first maximum
+        m = xs[k]
+        scratch.fill(0.0)
+        scratch[lanes] = np.exp(xs - m)
+        total = np.sum(scratch)
+        return None if np.isnan(total) else (int(lanes[k]), float(m - (m + np.log(total))))
+    ys = xs / temperature
+    m = np.max(ys)
+    scratch.fill(0.0)
+    scratch[lanes] = np.exp(ys - m)
+    total = np.sum(scratch)
+    if np.isnan(total):
+        return None
+    c = m + np.log(total)
+    logp = ys - c
+    cdf = np.cumsum(np.exp(logp))
+    k = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if k < lanes.size:
+        return int(lanes[k]), float(logp[k])
+    return x.size - 1, float(x[-1] / temperature - c)  # u * total rounded up to the total: pick_token's last token
+
+
+def _pick_row(x: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator, constrained: bool,
+              scratch: np.ndarray, scratch2: np.ndarray, lanes: np.ndarray | None = None,
+              dense: bool = False) -> tuple[int, float] | None:
+    """One row's ``(token, log-prob)`` from its float64 logits ``x`` (any grammar mask applied; overwritten), as
+    :meth:`HFChatClient._step` picks it; None where a grammar allows no token (every logit -inf). ``lanes``: the
+    indices of the finite logits where known to be few; ``dense``: known to be many
+    (:meth:`ToolCallGrammar.masked_row_` tells which)."""
+    exact = _exp_lanes_independent()
+    sparse = constrained and not dense
+    if sparse and exact:
+        if lanes is None:
+            lanes = np.flatnonzero(x != -np.inf)
+            lanes = lanes if 4 * lanes.size < x.size else None
+        if lanes is not None:
+            if not lanes.size:
+                return None
+            picked = sparse_pick(x, lanes, temperature, top_p, rng, scratch)
+            if picked is not None:
+                return picked
+    if temperature <= 0:
+        token = int(np.argmax(x))
+        if constrained and x[token] == -np.inf:
+            return None
+        if not exact:
+            return pick_token(x, temperature, top_p, rng)
+        return greedy_pick(x, token, scratch, sparse=sparse)
+    if constrained and np.max(x) == -np.inf:
+        return None
+    if not exact:
+        return pick_token(x, temperature, top_p, rng)
+    return sample_pick(x, temperature, top_p, rng, scratch, scratch2, sparse=sparse)
+
+
+_CLOSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> ids whose text has TOOL_CALL_CLOSE's last char
+
+
+def _closers(tokenizer: Any) -> np.ndarray:
+    """Per token id: whether its decoded text holds ``>`` (the last character of ``TOOL_CALL_CLOSE``).
+
+    A row whose newest token has none cannot have just completed ``</tool_call>`` in its decoded tail: the
+    occurrence would end in the earlier tokens, whose decoded text (ASCII survives any byte boundary) the
+    previous step's tail already held, and that step would have stopped the row."""
+    table = _CLOSERS.get(tokenizer)
+    if table is None:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+        table = _CLOSERS[tokenizer] = np.array([TOOL_CALL_CLOSE[-1] in t for t in texts], dtype=bool)
+    return table
+
+
 class _Row:
     """Generation state of one request."""
 
@@ -120,9 +281,17 @@ class HFChatClient(ChatClient):
     (:mod:`tracekit.llm.prefix_cache`; 0: off): each finished batch's rows are stored, so an episode's next turn
     and prompts sharing a system prompt skip the prefill of what they share; :meth:`clear_prefix_cache`
     empties it (a rollout starts and ends with it empty).
+
+    Each decode step's host work is batched (issue 30; the same tokens and log-probs, bit for bit, as the row-by-row
+    reference :meth:`_step`): the grammars' bitmasks filled in one xgrammar call and applied where the logits are,
+    only unfinished rows copied to the host, each row's float64 pick in place (a masked row's -inf lanes skipped)
+    on ``host_threads`` threads (half the cores, at most 8); a batch's new grammars compile on ``compile_threads``
+    (the cores, at most 8), and a prompt counted for the context budget is not rendered again when it is sent.
     """
 
     name = "hf"
+    batched_host_step = True  # False: the row-by-row reference (_step) that the batched step reproduces (tests, benchmark)
+    mask_on_device: bool | None = None  # grammar masks applied where the logits are; None: unless they are on the CPU
 
     def __init__(
         self,
@@ -174,30 +343,75 @@ class HFChatClient(ChatClient):
         self._decoder: Any = None  # tracekit.llm.decoding.FastDecoder, built at the first chat
         self.max_whitespace = max_whitespace
         self._grammar: ToolCallGrammar | None = None
+        # a step's picks on half the machine's cores (the rest: torch's, the environments', concurrent runs'), at
+        # most 8 (2 cores: 1, a second thread bought nothing there); a batch's grammar compiles (milliseconds each,
+        # without the GIL) on all of them, at most 8 (benchmarks/rollout_throughput.py)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.host_threads = max(1, min(8, cores // 2))
+        self.compile_threads = max(1, min(8, cores))
+        self._pool: ThreadPoolExecutor | None = None
+        # prompt ids by content: a rollout counts an episode's prompt (context budget), then sends it
+        self._prompts: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
     # -- public API ---------------------------------------------------------------------------
 
     def count_tokens(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> int:
         """Exact prompt length: the chat template rendered and tokenized (with the generation prompt)."""
-        return len(encode_prompt(self.tokenizer, messages, tools))
+        if not self.batched_host_step:
+            return len(encode_prompt(self.tokenizer, messages, tools))
+        return len(self._prompt_ids([(messages, tools)])[0])
+
+    def _prompt_ids(self, prompts: list[tuple[list[Message], list[dict[str, Any]] | None]]) -> list[list[int]]:
+        """``encode_prompt`` of each ``(messages, tools)``: the same ids, with the prompts met in the last
+        calls (keyed by their content's hash) not rendered again, and the new ones tokenized in one batch."""
+        keys: list[bytes | None] = []
+        for messages, tools in prompts:
+            try:
+                payload = "\x00".join([m.model_dump_json() for m in messages] + [json.dumps(tools)])
+                keys.append(hashlib.blake2b(payload.encode(), digest_size=16).digest())
+            except (TypeError, ValueError):  # content that does not serialise: not cached
+                keys.append(None)
+        out: list[list[int] | None] = [None] * len(prompts)
+        todo = []
+        for i, key in enumerate(keys):
+            hit = None if key is None else self._prompts.get(key)
+            if hit is None:
+                todo.append(i)
+            else:
+                self._prompts.move_to_end(key)
+                out[i] = hit.tolist()
+        if todo:
+            texts = [render_prompt(self.tokenizer, *prompts[i]) for i in todo]
+            for i, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
+                out[i] = list(ids)
+                if keys[i] is not None:
+                    self._prompts[keys[i]] = np.asarray(ids, dtype=np.int64)
+            while len(self._prompts) > max(1024, 2 * self.max_batch_size):
+                self._prompts.popitem(last=False)
+        return out
 
     def chat(self, requests: list[ChatRequest]) -> list[ChatResponse]:
         rows = []
         for i, req in enumerate(requests):
             if req.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        prompts = self._prompt_ids([(req.messages, req.tools) for req in requests]) if self.batched_host_step else None
+        for i, req in enumerate(requests):
             seed = req.seed if req.seed is not None else self.seed + next(self._counter)
-            prompt = encode_prompt(self.tokenizer, req.messages, req.tools)
+            prompt = encode_prompt(self.tokenizer, req.messages, req.tools) if prompts is None else prompts[i]
             matcher = None
             if req.response_format:
                 matcher = self._grammars().json_matcher(req.response_format)
-            elif self.constrained_tool_calls and req.tools:
-                matcher = self._grammars().matcher(req.tools, self.chat_format, self.tool_choice,
-                                                   req.messages if self.copy_ids else None)
             row = _Row(req, prompt, seed, matcher)
             if self.max_context_tokens is not None and len(prompt) >= self.max_context_tokens:
                 row.finish = "length"  # no room left to generate
             rows.append(row)
+        calls = [r for r in rows if not r.req.response_format and self.constrained_tool_calls and r.req.tools]
+        if calls:  # the batch's tool-call grammars at once: the new ones (copy_ids: nearly all) compiled in parallel
+            specs = [(r.req.tools, r.req.messages if self.copy_ids else None) for r in calls]
+            threads = self.compile_threads if self.batched_host_step else 1
+            for r, m in zip(calls, self._grammars().matchers(specs, self.chat_format, self.tool_choice, threads)):
+                r.matcher = m
         ordered = sorted((r for r in rows if r.finish is None), key=lambda r: len(r.prompt))
         was_training, threads = self.model.training, torch.get_num_threads()
         self.model.eval()
@@ -226,6 +440,11 @@ class HFChatClient(ChatClient):
         if self._decoder is not None:
             with torch.inference_mode():
                 self._decoder.refresh()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def release(self) -> None:
         """Drop the fast decoder: its merged working copy of the weights and its static KV cache (e.g. a
@@ -258,9 +477,12 @@ class HFChatClient(ChatClient):
         logits = sess.prefill()
         active = list(rows)
         while True:
-            host = logits.cpu().numpy().astype(np.float64)
-            for j, r in enumerate(active):
-                self._step(r, host[j])
+            if self.batched_host_step:
+                self._pick_batch(active, logits)
+            else:  # the reference: row by row
+                host = logits.cpu().numpy().astype(np.float64)
+                for j, r in enumerate(active):
+                    self._step(r, host[j])
             keep = [j for j, r in enumerate(active) if r.finish is None]
             if not keep:
                 if isinstance(sess, FastSession):  # every token but each row's last was fed: their K/V are cached
@@ -272,6 +494,59 @@ class HFChatClient(ChatClient):
             tokens = torch.tensor([r.tokens[-1] if r.finish is None else self.pad_id for r in active])
             logits = sess.step(tokens, torch.tensor([r.finish is None for r in active]))
 
+    def _pick_batch(self, active: list[_Row], logits: torch.Tensor) -> None:
+        """:meth:`_step` for every unfinished row of ``active`` (``logits`` [len(active), V] float32), in batch: the
+        grammars' bitmasks filled in one call, and each row's pick (float64, numpy, the same operations as
+        :meth:`_step`) on the host's threads. On an accelerator the masks are applied there and only the unfinished
+        rows are copied to the host; on the CPU the rows are read in place and masked by their pick's thread."""
+        live = [j for j, r in enumerate(active) if r.finish is None]
+        if not live:
+            return
+        rows = [active[j] for j in live]
+        masked = [k for k, r in enumerate(rows) if r.matcher is not None]
+        grammar = self._grammars() if masked else None
+        bitmask = grammar.fill([rows[k].matcher for k in masked]) if masked else None
+        word = {k: i for i, k in enumerate(masked)}  # row k -> its bitmask row, for the rows masked on the host
+        on_device = logits.device.type != "cpu" if self.mask_on_device is None else self.mask_on_device
+        if not on_device:
+            host, at = logits.numpy(), live
+        else:
+            if len(live) < len(active):
+                logits = logits[torch.tensor(live, device=logits.device)]
+            if masked:
+                grammar.mask_rows_(logits, bitmask, masked)
+            host, at, word = logits.cpu().numpy(), range(len(live)), {}
+
+        def pick(ks: range) -> list[tuple[int, float] | None]:
+            x, scratch, scratch2 = (np.empty(host.shape[1]) for _ in range(3))  # a thread's row buffers
+            out = []
+            for k in ks:
+                r = rows[k]
+                lanes = None
+                if k in word:  # the row masked on the host
+                    lanes = grammar.masked_row_(x, host[at[k]], bitmask[word[k]])
+                else:
+                    np.copyto(x, host[at[k]])  # float32 -> float64, exact
+                out.append(_pick_row(x, r.req.temperature, r.req.top_p, r.rng, r.matcher is not None, scratch, scratch2,
+                                     lanes, dense=k in word and lanes is None))
+            return out
+
+        n = len(rows)
+        threads = min(self.host_threads, n // 8)  # a thread per >= 8 rows (tens of microseconds each)
+        if threads > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.host_threads, thread_name_prefix="hf-pick")
+            parts = [range(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+            picks = [p for part in self._pool.map(pick, parts) for p in part]
+        else:
+            picks = pick(range(n))
+        closers = _closers(self.tokenizer) if self.stop_at_tool_call_end and any(r.req.tools for r in rows) else None
+        for r, picked in zip(rows, picks):
+            if picked is None:  # the grammar allows no token: nothing valid can follow
+                r.finish = "stop"
+            else:
+                self._take(r, *picked, closers)
+
     def _step(self, r: _Row, row: np.ndarray) -> None:
         """Pick one token for an unfinished row (``row``: its float64 logits) and decide whether it stops."""
         if r.finish is not None:
@@ -282,13 +557,19 @@ class HFChatClient(ChatClient):
                 r.finish = "stop"
                 return
         token, logprob = pick_token(row, r.req.temperature, r.req.top_p, r.rng)
+        self._take(r, token, logprob)
+
+    def _take(self, r: _Row, token: int, logprob: float, closers: np.ndarray | None = None) -> None:
+        """Append a picked token to its row and decide whether the row stops (``closers``: see :func:`_closers`;
+        None decodes the tail at every token)."""
         r.tokens.append(token)
         r.logprobs.append(logprob)
         if r.matcher is not None and not r.matcher.accept_token(token):
             raise RuntimeError(f"xgrammar rejected token {token} that its own mask allowed")
         if token in self.stop_ids:
             r.finish = "stop"
-        elif r.req.tools and self.stop_at_tool_call_end and self._ends_tool_call(r.tokens):
+        elif r.req.tools and self.stop_at_tool_call_end and (closers is None or token >= len(closers) or closers[token]) \
+                and self._ends_tool_call(r.tokens):
             r.finish = "stop"
         elif len(r.tokens) >= r.req.max_new_tokens or (
             self.max_context_tokens is not None and len(r.prompt) + len(r.tokens) >= self.max_context_tokens
