@@ -74,8 +74,10 @@ def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any
     """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``),
     built by the target the spec's benchmark names (``Target.train_suite``; ``cache_dir``: the coding target's task
     cache)."""
+    from tracekit.stages import TRAIN_SEED_OFFSET, client_for
+
     cfg = OmegaConf.create(spec)
-    return target(cfg.benchmark.kind).train_suite(cfg, spec, cache_dir)
+    return target(cfg.benchmark.kind).train_suite(cfg, spec, cache_dir, client_for, TRAIN_SEED_OFFSET)
 
 
 def trace_episodes(train: Artifact) -> int:

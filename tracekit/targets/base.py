@@ -51,8 +51,10 @@ class Target:
         """What the training tasks of ``spec`` (a :meth:`train_spec`) are, for a row's note."""
         return f"{self.kind} training tasks"
 
-    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
-        """The training tasks as an EnvSuite, from ``cfg`` (``spec`` as a config) in a fresh process."""
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
+                    seed_offset: int) -> Any:
+        """The training tasks as an EnvSuite, from ``cfg`` (``spec`` as a config) in a fresh process; ``seed_offset``:
+        where generated training instances start (``tracekit.stages.TRAIN_SEED_OFFSET``)."""
         raise NotImplementedError(f"target {self.kind}: {self.training_split_problem(cfg)}")
 
     def synthesis_family(self, cfg: DictConfig) -> str:

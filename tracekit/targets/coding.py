@@ -41,7 +41,8 @@ class CodingTarget(Target):
     def train_split_label(self, spec: dict[str, Any]) -> str:
         return f"local coding train split ({spec['benchmark'].get('coding', {}).get('package', 'the package')})"
 
-    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
+                    seed_offset: int) -> Any:
         """``cache_dir``: where the generated tasks are cached (default ``$TRACEKIT_CACHE`` or ``outputs/cache`` under
         ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
         import os

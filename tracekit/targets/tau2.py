@@ -60,13 +60,13 @@ class Tau2Target(Target):
     def train_split_label(self, spec: dict[str, Any]) -> str:
         return "tau^2 train split"
 
-    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
+                    seed_offset: int) -> Any:
         from tracekit.envs.tau2 import Tau2Suite
-        from tracekit.stages import build_user
 
         b = cfg.benchmark
         return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
-                         user=build_user(cfg), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
+                         user=build_user(cfg, client_for), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         domains = list(cfg.benchmark.domains)

@@ -48,17 +48,17 @@ class LibraryTarget(Target):
     def train_split_label(self, spec: dict[str, Any]) -> str:
         return "library environments' training seeds"
 
-    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
+                    seed_offset: int) -> Any:
         """Instances of the same library environments at the target's difficulty from the training seeds
-        (``tracekit.stages.TRAIN_SEED_OFFSET`` on)."""
-        from tracekit.stages import TRAIN_SEED_OFFSET, client_for
+        (``seed_offset`` on)."""
         from tracekit.synthesis.library_target import LibraryTargetSuite
 
         b = cfg.benchmark
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
         return LibraryTargetSuite(f"{b.name}-train", list(b.envs), difficulty=b.difficulty,
-                                  n_per_env=int(spec["n_per_env"]), seed_offset=TRAIN_SEED_OFFSET,
+                                  n_per_env=int(spec["n_per_env"]), seed_offset=seed_offset,
                                   user=cfg.user.kind, **llm_user)
 
     def synthesis_family(self, cfg: DictConfig) -> str:

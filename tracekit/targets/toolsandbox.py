@@ -75,7 +75,8 @@ class ToolSandboxTarget(Target):
     def train_split_label(self, spec: dict[str, Any]) -> str:
         return f"ToolSandbox variants {', '.join(spec['benchmark']['train_domains'])} (the evaluated scenarios, other tools)"
 
-    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None) -> Any:
+    def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
+                    seed_offset: int) -> Any:
         from tracekit.envs.toolsandbox import ToolSandboxSuite
 
         b = cfg.benchmark
