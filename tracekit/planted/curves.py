@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no GRPO runs with metrics in", a.cache)
         return 1
     write_curves(curves, a.out / "planted_curves.png", a.out / "planted_curves.csv",
-                 title="per-capability GRPO on the planted agent")
+                 title=f"per-capability GRPO (stage cache {a.cache})")
     for label, rows in curves.items():
         print(label, " ".join(f"it{r['iteration']}: R {r['reward']:.2f} inf {r['informative']:.2f}" for r in rows))
     return 0

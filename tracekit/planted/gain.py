@@ -227,7 +227,7 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     atomic_write_json(out / "planted_gain.json", table, sort_keys=False)
     if curves:
         write_curves(curves, out / "planted_curves.png", out / "planted_curves.csv",
-                     title="per-capability GRPO on the planted agent")
+                     title=f"per-capability GRPO ({cfg.name}, {cfg.backbone.name})")
     if gate_md:
         atomic_write_text(out / "planted_gate.md", "# Gate report (compose)\n\n" + "\n".join(gate_md))
     return table
