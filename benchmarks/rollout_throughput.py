@@ -4,9 +4,12 @@ For each named target the same seeded episodes (a composed config's evaluation: 
 rolled out ``--repeats`` times per arm, the arms interleaved (ABBA order) so machine noise hits both alike:
 
 - ``batched``: the current path (``HFChatClient.batched_host_step``: the step's grammar bitmasks filled in one
-  call and applied where the logits are, only unfinished rows copied to the host, the picks on the host's
-  threads, a batch's grammars compiled in parallel);
+  call and applied where the logits are; on an accelerator the picks made there too (``tracekit.llm.picks``),
+  three numbers per row copied back; on the CPU the float64 picks on the host's threads; a batch's grammars
+  compiled in parallel);
 - ``reference``: the row-by-row host step it replaces (the code before issue 30), same model, same session;
+- ``host_pick`` (on an accelerator): the batched step with the host's float64 picks (only unfinished rows copied
+  over), the accelerator's default before the device picks;
 - ``lora`` (``--lora``, on ``--lora-target``): the batched path under a seeded random LoRA adapter (merged by the
   fast decoder; other episodes than the base policy's, so only its throughput compares).
 
@@ -20,14 +23,15 @@ threads), ``pick`` (the rest of the per-step host loop: transfer, token choice, 
 (copy_ids narrowing + grammar compilation), ``prompts`` (chat-template rendering and tokenizing, the context-budget
 count, response parsing), ``env`` (episode creation, resets, steps, the tau^2 DB-replay reward) and ``other``.
 Ratios are reference / batched, the median of the repeats with min-max. Every arm must produce the same episodes
-(messages, rewards, every turn's token ids and log-probs, bit for bit): exit 1 if not.
+(messages, rewards, every turn's token ids; log-probs bit for bit, within 1e-9 for the device picks, which sum
+in another order): exit 1 if not.
 
 Two more sections, same process:
 
 - ``host`` (``--host-rows``, default 256): the host side of decoding at a GPU's batch size, without a model: the
   gain target's first-turn requests decoded against seeded random logits (the session replaced), greedy and
-  T=0.7, both arms (and the batched one on ``--host-threads`` pick threads); per-step host milliseconds, which on
-  the GPU are not hidden behind the model.
+  T=0.7, every arm (the random logits on the GPU where there is one; and the host's picks on ``--host-threads``
+  threads); per-step host milliseconds, which on the GPU are not hidden behind the model.
 - ``generate`` (``--generate N``): the first turn of N tau2_mini episodes by plain transformers ``generate``
   (greedy, no grammar), batched and one prompt at a time, against this client's batched path.
 
@@ -57,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tracekit.cli import compose_config  # noqa: E402
 
-ARMS = ("batched", "reference")
+LOGPROB_TOL = 1e-9  # the device picks' log-probs against the host's float64 ones (tracekit.llm.picks)
 PARTS = ("prefill", "decode", "mask", "pick", "compile", "prompts", "env", "other")
 
 
@@ -166,7 +170,41 @@ def episodes_of(out: Path) -> dict[tuple[str, int], Any]:
             for t in read_trajectories(out)}
 
 
-def rollout_once(cfg, suite, agent, batched: bool, out: Path) -> dict[str, Any]:
+def arm_settings(cuda: bool) -> dict[str, dict[str, Any]]:
+    """The host-step arms (client attributes): ``batched`` is the client's default (on an accelerator: masks and
+    picks there), ``reference`` the row-by-row step; on an accelerator ``host_pick`` is the batched step with the
+    host's bit-exact float64 picks (the default before the device picks)."""
+    arms = {"batched": {"batched_host_step": True, "pick_on_device": None},
+            "reference": {"batched_host_step": False, "pick_on_device": None}}
+    if cuda:
+        arms["host_pick"] = {"batched_host_step": True, "pick_on_device": False}
+    return arms
+
+
+def exact_arm(batched_host_step: bool, pick_on_device: bool | None, cuda: bool) -> bool:
+    """Whether an arm must give the reference's log-probs bit for bit (the device picks sum in another order)."""
+    return not (batched_host_step and (cuda if pick_on_device is None else pick_on_device))
+
+
+def close_logprobs(a: list[float], b: list[float], tol: float) -> bool:
+    return len(a) == len(b) and (a == b if tol == 0 else all(abs(p - q) <= tol for p, q in zip(a, b)))
+
+
+def same_episode(a: Any, b: Any, tol: float) -> bool:
+    """The same messages, reward and turn token ids; the turns' log-probs equal (``tol`` 0) or within ``tol``."""
+    if tol == 0:
+        return a == b
+    (msgs_a, reward_a, turns_a), (msgs_b, reward_b, turns_b) = a, b
+    turns_a, turns_b = turns_a or [], turns_b or []
+    if (msgs_a, reward_a) != (msgs_b, reward_b) or len(turns_a) != len(turns_b):
+        return False
+    rest = lambda t: {k: v for k, v in t.items() if k != "completion_logprobs"}  # noqa: E731
+    return all(rest(x) == rest(y) and close_logprobs(x.get("completion_logprobs") or [],
+                                                     y.get("completion_logprobs") or [], tol)
+               for x, y in zip(turns_a, turns_b))
+
+
+def rollout_once(cfg, suite, agent, settings: dict[str, Any], out: Path) -> dict[str, Any]:
     """One rollout of the configured evaluation with the given host-step arm; -> seconds, split, tokens, episodes."""
     import torch
 
@@ -174,7 +212,8 @@ def rollout_once(cfg, suite, agent, batched: bool, out: Path) -> dict[str, Any]:
 
     client = agent.client
     agent.return_tokens = True  # the turns' token ids and log-probs: counted, and compared between the arms
-    client.batched_host_step = batched
+    for k, v in settings.items():
+        setattr(client, k, v)
     if client._grammar is not None:  # every rollout compiles its grammars, as a fresh evaluation does
         client._grammar.clear()
     client._prompts.clear()  # and renders its prompts (the cache serves one rollout's count-then-send)
@@ -184,7 +223,7 @@ def rollout_once(cfg, suite, agent, batched: bool, out: Path) -> dict[str, Any]:
         summary = run_rollouts(suite, agent, out, samples=1, seed=cfg.eval.seeds[0], max_steps=cfg.eval.max_steps,
                                context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size, progress=False)
         wall = time.perf_counter() - t0
-    client.batched_host_step = True
+    client.batched_host_step, client.pick_on_device = True, None
     episodes = episodes_of(out)
     tokens = sum(len(t["completion_ids"]) for _, _, turns in episodes.values() for t in turns or [])
     return {"seconds": wall, "split": timers.split(wall), "episodes": len(episodes), "tokens": tokens,
@@ -233,7 +272,9 @@ def random_lora(cfg, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(runs: dict[str, list[dict[str, Any]]], tol: dict[str, float] | None = None) -> dict[str, Any]:
+    """Medians and splits per arm; with a ``reference`` arm the ratios and how many episodes every arm decoded as
+    it did (``tol``: an arm's log-prob tolerance, 0 where unnamed)."""
     arms = {}
     for arm, rs in runs.items():
         secs = [r["seconds"] for r in rs]
@@ -257,8 +298,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 for a, b in zip(runs["reference"], runs["batched"])]
         out["ratio_host_side"] = {"median": round(statistics.median(host), 2), "min": round(min(host), 2),
                                   "max": round(max(host), 2), "parts": ["mask", "pick", "compile"]}
-        ref = runs["reference"][0]["_episodes"]
-        out["identical"] = sum(all(r["_episodes"].get(k) == v for rs in runs.values() for r in rs) for k, v in ref.items())
+        ref, tol = runs["reference"][0]["_episodes"], tol or {}
+        out["identical"] = sum(all(k in r["_episodes"] and same_episode(r["_episodes"][k], v, tol.get(arm, 0.0))
+                                   for arm, rs in runs.items() for r in rs) for k, v in ref.items())
+        out["logprob_tolerance"] = {arm: tol.get(arm, 0.0) for arm in runs}
         out["episodes"] = len(ref)
     return out
 
@@ -269,23 +312,27 @@ def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
     overrides = target_overrides(name, args.limit.get(name)) + args.overrides
     cfg = compose_config(overrides)
     suite, agent = build_suite(cfg), build_agent(cfg)
-    agents = {"batched": (agent, True), "reference": (agent, False)}
+    cuda = next(agent.client.model.parameters()).is_cuda
+    arms = arm_settings(cuda)
+    agents = {arm: (agent, settings) for arm, settings in arms.items()}
     if args.lora and name == args.lora_target:  # the same episodes under a LoRA adapter (merged: the fast decoder)
-        agents["lora"] = (build_agent(cfg, adapter=str(random_lora(cfg, tmp / "lora"))), True)
+        agents["lora"] = (build_agent(cfg, adapter=str(random_lora(cfg, tmp / "lora"))), arms["batched"])
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in agents}
     order = list(agents)
     for policy, _ in {id(a): (a, b) for a, b in agents.values()}.values():
         warm_up(cfg, suite, policy)
     for i in range(args.repeats):
         for arm in (order if i % 2 == 0 else order[::-1]):
-            policy, batched = agents[arm]
-            r = rollout_once(cfg, suite, policy, batched, tmp / f"{name}-{arm}{i}")
+            policy, settings = agents[arm]
+            r = rollout_once(cfg, suite, policy, settings, tmp / f"{name}-{arm}{i}")
             runs[arm].append(r)
             print(f"  {name} repeat {i} {arm:>9}: {r['seconds']:7.1f} s  " + " ".join(f"{p} {r['split'][p]:.1f}" for p in PARTS),
                   flush=True)
     lora = runs.pop("lora", None)
     result = {"overrides": overrides, "batch_size": cfg.agent.batch_size, "max_steps": cfg.eval.max_steps,
-              "max_new_tokens": cfg.agent.max_new_tokens, **summarize(runs)}
+              "max_new_tokens": cfg.agent.max_new_tokens,
+              **summarize(runs, {arm: 0.0 if exact_arm(arms[arm]["batched_host_step"], arms[arm]["pick_on_device"], cuda)
+                                else LOGPROB_TOL for arm in runs})}
     if lora:
         result["lora"] = summarize({"batched": lora})["arms"]["batched"]
         result["lora"]["note"] = "a seeded random LoRA (r 8, every projection): other episodes than the base policy's"
@@ -331,15 +378,21 @@ def host_section(args) -> dict[str, Any]:
     states = first_turn_states(cfg, suite)[:rows]
     gen = torch.Generator().manual_seed(0)
     vocab = client._vocab
-    pool = [torch.randn((len(states), vocab), generator=gen) * 4 for _ in range(8)]
+    cuda = torch.cuda.is_available()  # the logits where a GPU's model leaves them
+    pool = [(torch.randn((len(states), vocab), generator=gen) * 4).to("cuda" if cuda else "cpu") for _ in range(8)]
     client.max_batch_size = len(states)
     client._session = lambda prompts, max_new: ReplaySession(len(prompts), vocab, pool)
     agent.act(states[:8])  # untimed: the grammar compiler's and the stop check's tables
     threads = client.host_threads
-    arms = {"reference": (False, 1), "batched": (True, threads)}
-    if args.host_threads != threads:  # the same work on another number of pick threads
-        arms[f"batched_{args.host_threads}threads"] = (True, args.host_threads)
+    # arm: (batched_host_step, host_threads, pick_on_device)
+    arms = {"reference": (False, 1, None), "batched": (True, threads, None)}
+    if cuda:
+        arms["host_pick"] = (True, threads, False)
+    if args.host_threads != threads:  # the host's picks on another number of threads
+        arms[f"host_pick_{args.host_threads}threads"] = (True, args.host_threads, False)
+    tol = {arm: 0.0 if exact_arm(step, pick, cuda) else LOGPROB_TOL for arm, (step, _, pick) in arms.items()}
     out: dict[str, Any] = {"rows": len(states), "vocab": vocab, "max_new_tokens": agent.max_new_tokens,
+                           "logits_on": "cuda" if cuda else "cpu", "logprob_tolerance": tol,
                            "threads": threads, "compile_threads": client.compile_threads, "arms": list(arms)}
     for temperature in (0.0, 0.7):
         agent.temperature = temperature
@@ -350,7 +403,7 @@ def host_section(args) -> dict[str, Any]:
         order = list(arms)
         for i in range(args.repeats):
             for arm in (order if i % 2 == 0 else order[::-1]):
-                client.batched_host_step, client.host_threads = arms[arm]
+                client.batched_host_step, client.host_threads, client.pick_on_device = arms[arm]
                 if client._grammar is not None:
                     client._grammar.clear()
                 client._prompts.clear()
@@ -365,14 +418,14 @@ def host_section(args) -> dict[str, Any]:
                 rs = [(r.completion_token_ids, r.completion_logprobs) for r in resps]
                 if first is None:
                     first = rs
-                elif rs != first:
-                    raise SystemExit(f"host section: the arms decoded different tokens or log-probs at T={temperature}")
+                elif not all(a[0] == b[0] and close_logprobs(a[1], b[1], tol[arm]) for a, b in zip(first, rs)):
+                    raise SystemExit(f"host section: arm {arm} decoded other tokens or log-probs at T={temperature}")
                 steps = max(len(r.completion_token_ids) for r in resps)
                 row_steps = sum(len(r.completion_token_ids) for r in resps)
                 print(f"  host T={temperature} repeat {i} {arm:>17}: {host:6.2f} s for {steps} steps "
                       f"({1e3 * host / steps:.1f} ms/step, {1e6 * host / row_steps:.0f} us/row-step), "
                       f"grammar compile {t['compile']:.2f} s", flush=True)
-        client.batched_host_step, client.host_threads = True, threads
+        client.batched_host_step, client.host_threads, client.pick_on_device = True, threads, None
         res: dict[str, Any] = {"steps": steps, "row_steps": row_steps}
         for arm in arms:
             med = statistics.median(times[arm])
@@ -466,7 +519,7 @@ def print_table(results: dict[str, Any]) -> None:
     if "host" in results:
         h = results["host"]
         print(f"\nhost step without a model, {h['rows']} rows x {h['vocab']} vocab, {h['threads']} host thread(s) by default "
-              f"(same tokens and log-probs in every arm):")
+              f"(same tokens in every arm, log-probs within {h['logprob_tolerance']}):")
         for key in ("T=0.0", "T=0.7"):
             x = h[key]
             for arm in h["arms"]:

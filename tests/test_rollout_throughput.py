@@ -103,6 +103,71 @@ def test_accelerator_path_masks_on_the_device_and_copies_only_unfinished_rows(ti
     assert any(m < n for n, m in calls)  # rows without a grammar (JSON-free text) left unmasked in the batch
 
 
+def _close(ref, got, tol=1e-9):
+    """The same tokens, finish reasons and texts; log-probs within ``tol`` (the device pick sums in another order)."""
+    assert [(a[0], a[2], a[3]) for a in got] == [(a[0], a[2], a[3]) for a in ref]
+    for a, b in zip(ref, got):
+        assert np.allclose([float.fromhex(x) for x in b[1]], [float.fromhex(x) for x in a[1]], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("fast", ["auto", "off"])
+def test_picks_on_the_device_give_the_host_picks(tiny, fast):
+    """The branch taken for CUDA logits by default (mask and pick there, three numbers per row back), run on CPU
+    tensors: the reference's tokens for every kind of row (greedy, sampled, nucleus, grammar, JSON), its log-probs
+    to 1e-9."""
+    model, tok = tiny
+    client = HFChatClient(model, tok, chat_format="smollm2", max_batch_size=20, constrained_tool_calls=True,
+                          tool_choice="auto", copy_ids=True, fast=fast)
+    reqs = _requests(20)
+    client.batched_host_step = False
+    ref = _answers(client.chat(reqs))
+    client.batched_host_step, client.pick_on_device = True, True
+    _close(ref, _answers(client.chat(reqs)))
+    assert any(a[2] == "stop" for a in ref) and any(a[2] == "length" for a in ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_picks_on_the_gpu_give_the_host_picks():
+    """On CUDA the default is the device pick: the host pick's tokens (float32 model, so the same logits), its
+    log-probs to 1e-9, prefix reuse on."""
+    model, tok = load_backbone("tiny", "cuda", "float32")
+    client = HFChatClient(model, tok, chat_format="smollm2", max_batch_size=20, constrained_tool_calls=True,
+                          tool_choice="auto", copy_ids=True, prefix_cache_mib=64)
+    reqs = _requests(20)
+    client.pick_on_device = False
+    host = _answers(client.chat(reqs))
+    client.pick_on_device = None
+    _close(host, _answers(client.chat(reqs)))
+
+
+def test_batch_pick_is_pick_token_row_for_row():
+    from tracekit.llm.picks import batch_pick
+
+    rng = np.random.default_rng(5)
+    V, n = 3001, 64
+    x = rng.standard_normal((n, V)) * rng.uniform(0.3, 9, (n, 1))
+    x[1::4][rng.random((n // 4, V)) < 0.995] = -np.inf  # grammars forcing a few tokens
+    x[2, [4, 9, 700]] = x[2].max() + 1  # a tie: the first wins
+    x[3] = -np.inf  # a grammar that allows nothing
+    x = x.astype(np.float32)  # what the model gives
+    temps = np.array([(0.0, 0.7, 1.0, 1.3)[i % 4] for i in range(n)])
+    top_ps = np.array([(1.0, 0.9, 1.0, 0.5, 1.0)[i % 5] for i in range(n)])
+    rngs = [np.random.default_rng(100 + i) for i in range(n)]
+    u = np.array([rngs[i].random() if temps[i] > 0 else 0.0 for i in range(n)])
+    tokens, logprobs, ok = batch_pick(torch.from_numpy(x), torch.from_numpy(temps), torch.from_numpy(top_ps),
+                                      torch.from_numpy(u))
+    assert not ok[3] and int(ok.sum()) == n - 1
+    rngs = [np.random.default_rng(100 + i) for i in range(n)]
+    for i in range(n):
+        if i == 3:
+            continue
+        want = pick_token(x[i].astype(np.float64), temps[i], top_ps[i], rngs[i])
+        assert int(tokens[i]) == want[0], i
+        assert abs(float(logprobs[i]) - want[1]) < 1e-12, i
+    assert int(tokens[2]) == 4
+
+
 def test_a_rollout_is_the_same_with_either_host_step(make_cfg, tmp_path):
     """The default experiment's decoding (grammar, tool_choice=required, copy_ids, prefix cache) on the tiny
     backbone over tau2_mini episodes: the same trajectories, turn token ids and log-probs included."""
@@ -267,3 +332,19 @@ def test_benchmark_split_and_summary():
     assert out["identical"] == 2 and out["arms"]["batched"]["episodes_per_s"] == pytest.approx(2 / 3.0, abs=1e-4)
     other = rt.summarize({"batched": [run(2.0, same)], "reference": [run(3.0, {("a", 0): 1, ("b", 0): 3})]})
     assert other["identical"] == 1
+
+
+def test_benchmark_compares_device_picks_within_their_tolerance():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import rollout_throughput as rt
+
+    turn = lambda lp, ids=(5, 6): {"completion_ids": list(ids), "completion_logprobs": lp}  # noqa: E731
+    ep = (["m"], 1.0, [turn([-0.5, -1.25])])
+    near = (["m"], 1.0, [turn([-0.5 + 1e-13, -1.25])])
+    assert not rt.same_episode(ep, near, 0.0) and rt.same_episode(ep, near, rt.LOGPROB_TOL)
+    assert not rt.same_episode(ep, (["m"], 1.0, [turn([-0.5, -1.2])]), rt.LOGPROB_TOL)  # beyond the tolerance
+    assert not rt.same_episode(ep, (["m"], 1.0, [turn([-0.5, -1.25], ids=(5, 7))]), rt.LOGPROB_TOL)  # other tokens
+    assert not rt.same_episode(ep, (["m"], 0.0, [turn([-0.5, -1.25])]), rt.LOGPROB_TOL)  # another reward
+    assert rt.exact_arm(False, None, cuda=True) and rt.exact_arm(True, None, cuda=False)
+    assert not rt.exact_arm(True, None, cuda=True) and rt.exact_arm(True, False, cuda=True)
+    assert set(rt.arm_settings(cuda=True)) == {"batched", "reference", "host_pick"}

@@ -33,6 +33,7 @@ import torch
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.constrained import TOOL_CHOICES, ToolCallGrammar
 from tracekit.llm.decoding import FastSession, causal_lm_of
+from tracekit.llm.picks import batch_pick
 from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text, render_prompt
 from tracekit.types import Message
 
@@ -282,16 +283,22 @@ class HFChatClient(ChatClient):
     and prompts sharing a system prompt skip the prefill of what they share; :meth:`clear_prefix_cache`
     empties it (a rollout starts and ends with it empty).
 
-    Each decode step's host work is batched (issue 30; the same tokens and log-probs, bit for bit, as the row-by-row
-    reference :meth:`_step`): the grammars' bitmasks filled in one xgrammar call and applied where the logits are,
-    only unfinished rows copied to the host, each row's float64 pick in place (a masked row's -inf lanes skipped)
-    on ``host_threads`` threads (half the cores, at most 8); a batch's new grammars compile on ``compile_threads``
-    (the cores, at most 8), and a prompt counted for the context budget is not rendered again when it is sent.
+    Each decode step's host work is batched (issue 30): the grammars' bitmasks filled in one xgrammar call and
+    applied where the logits are. On an accelerator every row's pick is made there too
+    (:func:`tracekit.llm.picks.batch_pick`: the reference's tokens, its log-probs to ~1e-15; ``pick_on_device``).
+    Otherwise, and with ``pick_on_device=False``, only unfinished rows are copied to the host, and each row's
+    float64 pick runs in place (a masked row's -inf lanes skipped) on ``host_threads`` threads (half the cores, at
+    most 8), giving the row-by-row reference :meth:`_step`'s tokens and log-probs bit for bit. A batch's new
+    grammars compile on ``compile_threads`` (the cores, at most 8), and a prompt counted for the context budget is
+    not rendered again when it is sent.
     """
 
     name = "hf"
     batched_host_step = True  # False: the row-by-row reference (_step) that the batched step reproduces (tests, benchmark)
     mask_on_device: bool | None = None  # grammar masks applied where the logits are; None: unless they are on the CPU
+    # picks made where the logits are (tracekit.llm.picks; masks there too); None: unless they are on the CPU.
+    # False on an accelerator: the host's bit-exact float64 picks (the reference's log-probs to the last bit)
+    pick_on_device: bool | None = None
 
     def __init__(
         self,
@@ -496,9 +503,11 @@ class HFChatClient(ChatClient):
 
     def _pick_batch(self, active: list[_Row], logits: torch.Tensor) -> None:
         """:meth:`_step` for every unfinished row of ``active`` (``logits`` [len(active), V] float32), in batch: the
-        grammars' bitmasks filled in one call, and each row's pick (float64, numpy, the same operations as
-        :meth:`_step`) on the host's threads. On an accelerator the masks are applied there and only the unfinished
-        rows are copied to the host; on the CPU the rows are read in place and masked by their pick's thread."""
+        grammars' bitmasks filled in one call, then the picks. On an accelerator the masks are applied there and the
+        picks made there (:func:`tracekit.llm.picks.batch_pick`; ``pick_on_device``); with ``pick_on_device=False``
+        only the unfinished rows are copied to the host for its float64 picks (the same operations as
+        :meth:`_step`, on the host's threads). On the CPU the rows are read in place and masked by their pick's
+        thread."""
         live = [j for j, r in enumerate(active) if r.finish is None]
         if not live:
             return
@@ -506,16 +515,43 @@ class HFChatClient(ChatClient):
         masked = [k for k, r in enumerate(rows) if r.matcher is not None]
         grammar = self._grammars() if masked else None
         bitmask = grammar.fill([rows[k].matcher for k in masked]) if masked else None
-        word = {k: i for i, k in enumerate(masked)}  # row k -> its bitmask row, for the rows masked on the host
-        on_device = logits.device.type != "cpu" if self.mask_on_device is None else self.mask_on_device
-        if not on_device:
-            host, at = logits.numpy(), live
-        else:
+        on_accelerator = logits.device.type != "cpu"
+        pick_there = on_accelerator if self.pick_on_device is None else self.pick_on_device
+        mask_there = pick_there or (on_accelerator if self.mask_on_device is None else self.mask_on_device)
+        if mask_there:
             if len(live) < len(active):
                 logits = logits[torch.tensor(live, device=logits.device)]
             if masked:
                 grammar.mask_rows_(logits, bitmask, masked)
-            host, at, word = logits.cpu().numpy(), range(len(live)), {}
+        if pick_there:
+            picks = self._device_picks(rows, logits)
+        elif mask_there:
+            picks = self._host_picks(rows, logits.cpu().numpy(), range(len(live)), grammar, None, {})
+        else:
+            word = {k: i for i, k in enumerate(masked)}  # row k -> its bitmask row: masked by its pick's thread
+            picks = self._host_picks(rows, logits.numpy(), live, grammar, bitmask, word)
+        closers = _closers(self.tokenizer) if self.stop_at_tool_call_end and any(r.req.tools for r in rows) else None
+        for r, picked in zip(rows, picks):
+            if picked is None:  # the grammar allows no token: nothing valid can follow
+                r.finish = "stop"
+            else:
+                self._take(r, *picked, closers)
+
+    def _device_picks(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, float] | None]:
+        """Every row's pick where ``logits`` (masked) are; a sampled row draws its one ``u`` from its own generator,
+        as the host pick does (a row that turns out to allow no token finishes, so its extra draw is never seen)."""
+        temps = [r.req.temperature for r in rows]
+        u = [r.rng.random() if t > 0 else 0.0 for r, t in zip(rows, temps)]
+        f64 = torch.float64
+        tokens, logprobs, ok = batch_pick(logits, torch.tensor(temps, dtype=f64),
+                                          torch.tensor([r.req.top_p for r in rows], dtype=f64), torch.tensor(u, dtype=f64))
+        back = torch.stack([tokens.to(f64), logprobs, ok.to(f64)]).cpu().numpy()  # one transfer
+        return [(int(t), float(lp)) if k else None for t, lp, k in back.T]
+
+    def _host_picks(self, rows: list[_Row], host: np.ndarray, at: Any, grammar: ToolCallGrammar | None,
+                    bitmask: np.ndarray | None, word: dict[int, int]) -> list[tuple[int, float] | None]:
+        """Every row's float64 pick on the host (row ``k``'s logits: ``host[at[k]]``; rows in ``word`` are masked
+        here by their bitmask row), on up to ``host_threads`` threads."""
 
         def pick(ks: range) -> list[tuple[int, float] | None]:
             x, scratch, scratch2 = (np.empty(host.shape[1]) for _ in range(3))  # a thread's row buffers
@@ -533,19 +569,12 @@ class HFChatClient(ChatClient):
 
         n = len(rows)
         threads = min(self.host_threads, n // 8)  # a thread per >= 8 rows (tens of microseconds each)
-        if threads > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.host_threads, thread_name_prefix="hf-pick")
-            parts = [range(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
-            picks = [p for part in self._pool.map(pick, parts) for p in part]
-        else:
-            picks = pick(range(n))
-        closers = _closers(self.tokenizer) if self.stop_at_tool_call_end and any(r.req.tools for r in rows) else None
-        for r, picked in zip(rows, picks):
-            if picked is None:  # the grammar allows no token: nothing valid can follow
-                r.finish = "stop"
-            else:
-                self._take(r, *picked, closers)
+        if threads <= 1:
+            return pick(range(n))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.host_threads, thread_name_prefix="hf-pick")
+        parts = [range(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+        return [p for part in self._pool.map(pick, parts) for p in part]
 
     def _step(self, r: _Row, row: np.ndarray) -> None:
         """Pick one token for an unfinished row (``row``: its float64 logits) and decide whether it stops."""
