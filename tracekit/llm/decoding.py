@@ -8,7 +8,10 @@ step into the next step's logits:
 - :class:`FastSession` over a :class:`FastDecoder`: the adapter merged into a working copy of the
   adapted weights (``W' = W + sum_a s_a B_a A_a``, q/k/v and gate/up fused), a static KV cache,
   and on CUDA a graph-captured decode step at a fixed batch (finished rows are masked, not
-  removed). No per-module LoRA work while decoding: each step is one graph replay.
+  removed). No per-module LoRA work while decoding: each step is one graph replay. A composed LoRA-MoE
+  (:class:`~tracekit.moe.model.LoRAMoEModel`) cannot be merged (each token routes by its block's gate): the
+  decoder runs each adapted block's gate on the block input and adds the bank's delta to the fused projections
+  inside the layer step (:class:`_LoRAMoEBlock`), bypassing the model's own gate hooks and no others.
 
 Pickers sit on top: :func:`generate` samples all rows on the device in one kernel per step
 (``torch.Generator``: same seed on CPU -> same tokens; log-probs of the sampled tokens from the very
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 
 from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason
 from tracekit.llm.prefix_cache import PrefixStore, batch_shared_prefixes
+from tracekit.moe.layer import LoRAMoELinear, adapter_weights, gate_probs
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +190,8 @@ def _is_lora(m: torch.nn.Module) -> bool:
 
 
 def _base_linear(m: torch.nn.Module) -> torch.nn.Module:
+    if isinstance(m, LoRAMoELinear):  # the bank is applied beside the base weights, never merged into them
+        return m.base
     return m.get_base_layer() if _is_lora(m) else m
 
 
@@ -198,12 +204,41 @@ def _active_adapters(m: torch.nn.Module) -> list[str]:
 _BENIGN_HOOKS = ("make_inputs_require_grads",)  # transformers' checkpointing hook: sets requires_grad only
 
 
-def hooks_reason(model: torch.nn.Module) -> str | None:
-    """Forward hooks on any module (e.g. LoRA-MoE gates) would be bypassed by the fast path."""
+def lora_moe_of(model: torch.nn.Module):
+    """The :class:`~tracekit.moe.model.LoRAMoEModel` ``model`` is (inside a DeepSpeed wrapper), else None."""
+    from tracekit.moe.model import LoRAMoEModel
+
+    m = getattr(model, "module", model)
+    return m if isinstance(m, LoRAMoEModel) else None
+
+
+def hooks_reason(model: torch.nn.Module, applied: frozenset[int] = frozenset()) -> str | None:
+    """Forward hooks on any module would be bypassed by the fast path, except those whose ids are in ``applied``
+    (a LoRA-MoE's gate and release hooks: the decoder runs the gates itself)."""
     for name, m in model.named_modules():
-        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        hooks = [h for d in (m._forward_hooks, m._forward_pre_hooks) for i, h in d.items() if i not in applied]
         if any(getattr(h, "__name__", "") not in _BENIGN_HOOKS for h in hooks):
             return f"module {name or type(m).__name__} has forward hooks"
+    return None
+
+
+_BANK_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_BANK_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _lora_moe_reason(model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> str | None:
+    """Why the fast path cannot apply ``model``'s LoRA-MoE banks: one outside a LoRAMoEModel (no gate to run),
+    or on a projection the decoder does not fuse (attention and dense-MLP projections only)."""
+    moe = lora_moe_of(model)
+    for i, layer in enumerate(layers):
+        allowed = _BANK_PROJECTIONS + (_BANK_MLP if _dense_mlp(layer.mlp) else ())
+        for name, m in layer.named_modules():
+            if not isinstance(m, LoRAMoELinear):
+                continue
+            if moe is None or i not in moe.routings:
+                return f"layer {i}: {name} is a LoRAMoELinear outside a LoRAMoEModel's adapted blocks (no gate to run)"
+            if name not in allowed:
+                return f"layer {i}: a LoRA-MoE bank on {name} (fast decoding applies banks to {', '.join(allowed)})"
     return None
 
 
@@ -212,7 +247,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     lm = causal_lm_of(model)
     if getattr(lm, "config", None) is None:
         return f"{type(lm).__name__} has no transformers config"
-    hooked = hooks_reason(model)
+    moe = lora_moe_of(model)
+    hooked = hooks_reason(model, moe.gate_hook_ids if moe is not None else frozenset())
     if hooked is not None:
         return hooked
     cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
@@ -240,7 +276,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
                 return "DoRA adapters"
             if type(_base_linear(m)) is not torch.nn.Linear:
                 return f"layer {i}: {type(_base_linear(m)).__name__} is not a plain (or LoRA-wrapped) Linear"
-    return None
+    return _lora_moe_reason(model, layers)
 
 
 def _dense_mlp(mlp: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
@@ -285,6 +321,76 @@ class _Fused:
             if self.bias is not None and b.bias is not None:
                 self.bias[row : row + n].copy_(b.bias)
             row += n
+
+
+class _LoRAMoEBlock:
+    """One LoRA-MoE block on the fast path: working copies of its gate and of its bank, restacked per fused
+    projection (q/k/v, o, gate/up, down) so that each costs three kernels: shrink, weight, expand-and-add.
+
+    Per fused projection with P adapted parts (C adapters, the block's rank r): ``A`` [C*P*r, d_in] (adapter-major,
+    then part) and ``Bt`` [C*P*r, d_out] holding each part's (s_c B_c)^T in that part's output columns, zeros
+    elsewhere; None where no part is adapted. ``delta = ((x A^T) * w_c per adapter) Bt``, with w the dense top-k
+    weights of :func:`~tracekit.moe.layer.adapter_weights`: every adapter on every token, the others' weights zero
+    (as the bank's dense decode plan; C*P*r rows are a few percent of a projection's GEMM). The copies keep their
+    addresses across :meth:`refresh` (captured CUDA graphs read them); the spec is read live.
+    """
+
+    def __init__(self, gate: torch.nn.Module, routing: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Module]]):
+        self.gate, self.routing = gate, routing
+        self.gate_w = torch.empty_like(gate.weight)
+        self.gate_b = torch.empty_like(gate.bias)
+        self.groups = []  # per fused projection: ([(part, first output column)], A, Bt) or None
+        C, r = routing.n_adapters, routing.rank
+        for mods in groups:
+            parts, col = [], 0
+            for m in mods:
+                if isinstance(m, LoRAMoELinear):
+                    parts.append((m, col))
+                col += _base_linear(m).out_features
+            if not parts:
+                self.groups.append(None)
+                continue
+            w = parts[0][0].A3
+            A = torch.empty((C, len(parts), r, w.shape[2]), dtype=w.dtype, device=w.device)
+            Bt = torch.zeros((C, len(parts), r, col), dtype=w.dtype, device=w.device)
+            self.groups.append((parts, A, Bt))
+        self.refresh()
+
+    def params(self) -> list[torch.Tensor]:
+        return [self.gate.weight, self.gate.bias, self.routing.bank_A, self.routing.bank_B]
+
+    def refresh(self) -> None:
+        self.gate_w.copy_(self.gate.weight)
+        self.gate_b.copy_(self.gate.bias)
+        for g in self.groups:
+            if g is not None:
+                parts, A, Bt = g
+                for j, (m, col) in enumerate(parts):
+                    A[:, j].copy_(m.A3)
+                    Bt[:, j, :, col : col + m.out_features].copy_(m.Bt3)
+
+    def args(self) -> tuple:
+        """(gate weight, bias, top_k, renormalize, base slot, then per fused projection (A, Bt) or None)."""
+        spec = self.routing.spec
+        loras = [None if g is None else (g[1].view(-1, g[1].shape[-1]), g[2].view(-1, g[2].shape[-1])) for g in self.groups]
+        return (self.gate_w, self.gate_b, spec.top_k, spec.renormalize, self.routing.base_slot, *loras)
+
+
+def _moe_weights(x: torch.Tensor, moe: tuple) -> torch.Tensor:
+    """The block's adapter weights [T, C] in x's dtype from its input x [T, H], as the model's gate hook computes
+    them (:func:`~tracekit.moe.layer.gate_probs`, then the routing spec's top-k)."""
+    gw, gb, top_k, renormalize, base_slot = moe[:5]
+    return adapter_weights(gate_probs(x, gw, gb), top_k, renormalize, base_slot).to(x.dtype)
+
+
+def _with_delta(out: torch.Tensor, x: torch.Tensor, lora: tuple | None, w: torch.Tensor) -> torch.Tensor:
+    """``out + ((x A^T) * w per adapter) Bt`` (see :class:`_LoRAMoEBlock`); out itself without a bank."""
+    if lora is None:
+        return out
+    A, Bt = lora
+    z = F.linear(x, A)
+    z = (z.view(z.shape[0], w.shape[1], -1) * w[:, :, None]).view(z.shape[0], -1)
+    return torch.addmm(out, z, Bt)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -346,12 +452,14 @@ def _attention_block(
     sin_signed: torch.Tensor,
     bias: torch.Tensor,
     sh: _Shape,
+    lora: tuple | None = None,
 ) -> torch.Tensor:
     """``x + o_proj(attention(rope(qk_norm(qkv_proj(rms(x))))))`` for x [B*c, H]; writes this chunk's
     K/V into the cache views kc, vc [B, Hkv, S, D] at slots ``new`` [c] (in place).
 
     cos, sin_signed [B, c, 1, D]; bias: see :func:`_attend`; qk_norm [Hq + Hkv, D] (q_norm then
-    k_norm weights, one RMSNorm over all heads of the contiguous qkv; v's are discarded).
+    k_norm weights, one RMSNorm over all heads of the contiguous qkv; v's are discarded); lora: a LoRA-MoE
+    block's (adapter weights [B*c, C], qkv bank, o bank) (:func:`_with_delta`).
     """
     B = kc.shape[0]
     c = x.shape[0] // B
@@ -360,7 +468,10 @@ def _attention_block(
     dq, dkv = Hq * D, n_kv * D
     half = D // 2
     h = _rms(x, ln, sh.eps)
-    qkv = F.linear(h, qkv_w, qkv_b).view(B, c, -1)
+    qkv = F.linear(h, qkv_w, qkv_b)
+    if lora is not None:
+        qkv = _with_delta(qkv, h, lora[1], lora[0])
+    qkv = qkv.view(B, c, -1)
     if qk_norm is not None:
         qk = F.rms_norm(qkv.view(B, c, -1, D), (D,), None, sh.qk_eps)[:, :, : Hq + n_kv] * qk_norm
     else:
@@ -374,18 +485,28 @@ def _attention_block(
     span = bias.shape[-1]
     o = _attend(qg, kc[:, :, :span], vc[:, :, :span], bias, sh)
     o = o.view(B, Hq, c, D).transpose(1, 2).reshape(B * c, dq)
-    return _add_linear(x, o, o_w, o_b)
+    out = _add_linear(x, o, o_w, o_b)
+    return out if lora is None else _with_delta(out, o, lora[2], lora[0])
 
 
-def _dense_layer(x: torch.Tensor, attn: tuple, mlp: tuple, act) -> torch.Tensor:
+def _dense_layer(x: torch.Tensor, attn: tuple, mlp: tuple, act, moe: tuple | None = None) -> torch.Tensor:
     """One decoder layer with a SwiGLU MLP: ``x' = x + attn(x)``, ``x' + down(act(gate(h)) * up(h))``
     with ``h = rms(x')``. ``attn``: :func:`_attention_block`'s arguments after x; ``mlp``: (ln2 weight,
-    gate_up weight, bias, down weight, bias). A pure function of its tensors (the cache writes
+    gate_up weight, bias, down weight, bias); ``moe``: a LoRA-MoE block's :meth:`_LoRAMoEBlock.args` (its gate
+    runs on the layer's input x, as the model's pre-hook does). A pure function of its tensors (the cache writes
     aside), so that one compiled artifact serves every layer."""
     ln2, gu_w, gu_b, down_w, down_b = mlp
-    x = _attention_block(x, *attn)
-    g, u = F.linear(_rms(x, ln2, attn[-1].eps), gu_w, gu_b).chunk(2, dim=-1)
-    return _add_linear(x, act(g) * u, down_w, down_b)
+    if moe is None:
+        x = _attention_block(x, *attn)
+        g, u = F.linear(_rms(x, ln2, attn[-1].eps), gu_w, gu_b).chunk(2, dim=-1)
+        return _add_linear(x, act(g) * u, down_w, down_b)
+    w = _moe_weights(x, moe)
+    qkv_l, o_l, gu_l, down_l = moe[5:]
+    x = _attention_block(x, *attn, lora=(w, qkv_l, o_l))
+    h = _rms(x, ln2, attn[-1].eps)
+    g, u = _with_delta(F.linear(h, gu_w, gu_b), h, gu_l, w).chunk(2, dim=-1)
+    a = act(g) * u
+    return _with_delta(_add_linear(x, a, down_w, down_b), a, down_l, w)
 
 
 class FastDecoder:
@@ -478,6 +599,16 @@ class FastDecoder:
             self.gu = [_Fused(_dense_mlp(l.mlp)[:2]) if _dense_mlp(l.mlp) else None for l in self.layers]
             self.down = [_Fused(_dense_mlp(l.mlp)[2:]) if _dense_mlp(l.mlp) else None for l in self.layers]
         self._fused = [f for f in (*self.qkv, *self.o, *self.gu, *self.down) if f is not None]
+        moe_model = lora_moe_of(model)
+        # a LoRA-MoE: each adapted block's gate and bank run inside the layer step; its hooks are bypassed
+        self.applied_hooks = moe_model.gate_hook_ids if moe_model is not None else frozenset()
+        self.lora_moe: list[_LoRAMoEBlock | None] = [None] * len(self.layers)
+        with torch.no_grad():
+            for b in moe_model.blocks if moe_model is not None else ():
+                l = self.layers[b]
+                att, mlp = l.self_attn, _dense_mlp(l.mlp)
+                groups = [[att.q_proj, att.k_proj, att.v_proj], [att.o_proj]] + ([mlp[:2], mlp[2:]] if mlp else [])
+                self.lora_moe[b] = _LoRAMoEBlock(*moe_model.block_router(b), groups)
         self.qk_norm: list[torch.Tensor] | None = None  # per layer [Hq + Hkv, D]: q_norm then k_norm weights
         self._stack_qk_norms()
         qk_eps = getattr(getattr(att, "q_norm", None), "variance_epsilon", 0.0)
@@ -487,6 +618,7 @@ class FastDecoder:
         # session's own CUDA graph replays the compiled kernels (inductor's cudagraphs would nest)
         self.compiled = torch.compile(_dense_layer, fullgraph=True) if compile_layers else None
         self._versions = self._version_key()
+        self._specs = self._routing_specs()
         self.cap_b = self.cap_s = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -495,9 +627,16 @@ class FastDecoder:
         self.prefixes = PrefixStore(int(prefix_cache_mib * 2**20)) if prefix_cache_mib > 0 else None
 
     # ---- weights ---------------------------------------------------------------------------
-    def _version_key(self) -> int:
-        srcs = [f.params() for f in self._fused] + [m.params() for m in self.moe_blocks if m is not None]
-        return sum(t._version for ts in srcs for t in ts)
+    def _version_key(self) -> tuple:
+        """Which tensors the working copies come from, at which version, and the LoRA-MoE routing specs: any change
+        is another policy (an update, another active adapter, gates that moved, top-k changed), so the copies are
+        re-merged and the stored prefixes, computed by the old policy, forgotten. Tensor identities, not only
+        versions: two adapters at the same versions are still two policies."""
+        srcs = [f.params() for f in self._fused] + [m.params() for m in (*self.moe_blocks, *self.lora_moe) if m is not None]
+        return tuple((id(t), t._version) for ts in srcs for t in ts), self._routing_specs()
+
+    def _routing_specs(self) -> tuple:
+        return tuple(m.routing.spec for m in self.lora_moe if m is not None)
 
     def _stack_qk_norms(self) -> None:
         if not hasattr(self.layers[0].self_attn, "q_norm"):
@@ -517,7 +656,7 @@ class FastDecoder:
         with torch.no_grad():
             for f in self._fused:
                 f.refresh()
-            for m in self.moe_blocks:
+            for m in (*self.moe_blocks, *self.lora_moe):
                 if m is not None:
                     m.refresh()
             if self.qk_norm is not None:
@@ -526,6 +665,10 @@ class FastDecoder:
                     w[:hq].copy_(l.self_attn.q_norm.weight.expand(hq, -1))
                     w[hq:].copy_(l.self_attn.k_norm.weight.expand(self.n_kv, -1))
         self._versions = self._version_key()
+        if self._routing_specs() != self._specs:  # another top-k is another graph of kernels: capture anew
+            self._specs = self._routing_specs()
+            self.graphs.clear()
+            self._pool = None
 
     def refresh_if_stale(self) -> None:
         if self._version_key() != self._versions:
@@ -643,8 +786,9 @@ class FastDecoder:
             qkv, o, qkn = self.qkv[i], self.o[i], None if self.qk_norm is None else self.qk_norm[i]
             kc, vc = self.k[i][row0 : row0 + B], self.v[i][row0 : row0 + B]
             attn = (ln, qkv.weight, qkv.bias, qkn, o.weight, o.bias, kc, vc, new, cos, sin_signed, bias, self.shape)
+            moe = None if self.lora_moe[i] is None else self.lora_moe[i].args()
             if self.gu[i] is None:  # a MoE block: fused experts, or its own module
-                x = _attention_block(x, *attn)
+                x = _attention_block(x, *attn, lora=None if moe is None else (_moe_weights(x, moe), *moe[5:7]))
                 if self.moe_blocks[i] is not None:
                     x = x + self.moe_blocks[i](_rms(x, ln2, self.shape.eps))
                     continue
@@ -652,7 +796,7 @@ class FastDecoder:
                 x = x + (out[0] if isinstance(out, tuple) else out).reshape(B * c, -1)
                 continue
             gu, dn = self.gu[i], self.down[i]
-            args = (x, attn, (ln2, gu.weight, gu.bias, dn.weight, dn.bias), layer.mlp.act_fn)
+            args = (x, attn, (ln2, gu.weight, gu.bias, dn.weight, dn.bias), layer.mlp.act_fn, moe)
             x = self._compiled_layer(*args) if compiled else _dense_layer(*args)
         return _rms(x.view(B, c, -1)[:, -1], self.norm.weight, self.norm.variance_epsilon)
 
@@ -844,7 +988,7 @@ def open_session(model_or_decoder, prompts: Sequence[Sequence[int]], pad_id: int
 
     A decoder whose model has gained forward hooks since it was built decodes plainly (logged)."""
     if isinstance(model_or_decoder, FastDecoder):
-        hooked = hooks_reason(model_or_decoder.model)
+        hooked = hooks_reason(model_or_decoder.model, model_or_decoder.applied_hooks)
         if hooked is None:
             return model_or_decoder.session(prompts, pad_id, max_new_tokens)
         log.info("plain decoding for this batch: %s", hooked)

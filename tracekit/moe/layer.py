@@ -120,6 +120,20 @@ def masked_topk_probs(probs: torch.Tensor, k: int, renormalize: bool) -> torch.T
     return torch.zeros_like(probs).scatter(-1, idx, w)
 
 
+def gate_probs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A block gate's p = softmax(h W^T + b) for h [..., d] -> [..., S], float32 whatever the backbone dtype
+    (:meth:`BlockGate.probs`; a function of tensors so that a decoder can run it on its own copies)."""
+    return torch.softmax(F.linear(h.to(weight.dtype), weight, bias).float(), dim=-1)
+
+
+def adapter_weights(probs: torch.Tensor, top_k: int | None, renormalize: bool, base_slot: bool) -> torch.Tensor:
+    """Gate probabilities [T, S] -> each adapter's weight per token [T, C] (the base slot dropped): the mixture
+    p (``top_k=None``) or the kept top-k p (raw or renormalized), 0 elsewhere. The per-token weights every plan of
+    :func:`make_plan` applies, as one dense matrix (the fast decoder's fused delta multiplies by it)."""
+    w = probs if top_k is None else masked_topk_probs(probs, top_k, renormalize)
+    return w[:, 1:] if base_slot else w
+
+
 class _DensePlan:
     """Weights for every adapter (base slot dropped), repeated over the rank: [T, C*r] in the activation
     dtype, matching the row blocks of the [C*r, d] bank views. The mixture, the masked top-k reference, or
@@ -394,7 +408,7 @@ class BlockGate(nn.Linear):
 
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> p [..., S] in float32 (softmax in float32 whatever the backbone dtype)."""
-        return torch.softmax(self(h.to(self.weight.dtype)).float(), dim=-1)
+        return gate_probs(h, self.weight, self.bias)
 
 
 class LoRAMoELinear(nn.Module):

@@ -250,6 +250,23 @@ class LoRAMoEModel(nn.Module):
 
         return hook
 
+    # ------------------------------------------------------------------ decoders that route themselves
+
+    @property
+    def gate_hook_ids(self) -> frozenset[int]:
+        """Ids of the gate pre-hooks and release hooks this model put on its decoder layers. A decoder that runs
+        each adapted block's gate and bank itself (``tracekit.llm.decoding.FastDecoder``, through
+        :meth:`block_router`) bypasses exactly these; any other hook still stops it."""
+        return frozenset(h.id for h in self._hooks)
+
+    def block_router(self, block: int) -> tuple[BlockGate, BlockRouting]:
+        """Adapted block ``block``'s gate and routing (its spec and bank; the projections hold their column
+        offsets). What :meth:`_gate_hook` runs, for a decoder that computes
+        ``adapter_weights(gate_probs(block input, ...), spec...)`` and the bank's delta itself."""
+        if block not in self.routings:
+            raise KeyError(f"block {block} is not adapted (adapted blocks: {self.blocks})")
+        return self.gates[str(block)], self.routings[block]
+
     # ------------------------------------------------------------------ routing
 
     @property
