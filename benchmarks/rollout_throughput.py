@@ -11,7 +11,10 @@ rolled out ``--repeats`` times per arm, the arms interleaved (ABBA order) so mac
 - ``host_pick`` (on an accelerator): the batched step with the host's float64 picks (only unfinished rows copied
   over), the accelerator's default before the device picks;
 - ``lora`` (``--lora``, on ``--lora-target``): the batched path under a seeded random LoRA adapter (merged by the
-  fast decoder; other episodes than the base policy's, so only its throughput compares).
+  fast decoder; other episodes than the base policy's, so only its throughput compares);
+- ``moe`` (``--moe``, on ``--lora-target``): the batched path under a seeded random LoRA-MoE over ``--moe-adapters``
+  random adapters with random gates (the fast decoder runs its gates and bank in the layer step); its time over
+  the base policy's (``batched``) per repeat is ``ratio_moe_over_base`` (issue 30's CPU target: <= 1.3x).
 
 Each policy first decodes one untimed turn (what a process pays once stays out of the repeats); each rollout
 compiles its grammars and renders its prompts anew, as a fresh evaluation does.
@@ -37,6 +40,7 @@ Two more sections, same process:
 
     python benchmarks/rollout_throughput.py                                   # tau2_mini + gain, 3 repeats
     python benchmarks/rollout_throughput.py --targets tau2_mini --repeats 3 --lora --generate 3
+    python benchmarks/rollout_throughput.py --targets tau2_mini --repeats 3 --moe --host-rows 0
     python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput_cpu.json
     python benchmarks/rollout_throughput.py --targets gain --gain-limit 100 --generate 0   # the gain run's 300 (GPU)
 """
@@ -272,6 +276,20 @@ def random_lora(cfg, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def random_moe(cfg, out: Path, adapters: int, seed: int = 0) -> Path:
+    """A seeded LoRA-MoE saved to ``out``: ``adapters`` random LoRAs (:func:`random_lora`, seeds seed..) composed
+    with top-1 routing by random gates (N(0, 0.5)), so that tokens split over the adapters."""
+    from tracekit.llm.backbones import load_backbone
+    from tracekit.moe.model import MoEConfig, build_lora_moe
+    from tracekit.stages import backbone_dict
+
+    dirs = {f"rand{i}": random_lora(cfg, out / f"adapter{i}", seed=seed + i) for i in range(adapters)}
+    backbone, _ = load_backbone(backbone_dict(cfg))
+    moe = build_lora_moe(backbone, dirs, MoEConfig(top_k=1, gate_init_std=0.5, seed=seed),
+                         backbone_spec={"tracekit_backbone": backbone_dict(cfg)})
+    return moe.save(out / "moe")
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], tol: dict[str, float] | None = None) -> dict[str, Any]:
     """Medians and splits per arm; with a ``reference`` arm the ratios and how many episodes every arm decoded as
     it did (``tol``: an arm's log-prob tolerance, 0 where unnamed)."""
@@ -306,6 +324,16 @@ def summarize(runs: dict[str, list[dict[str, Any]]], tol: dict[str, float] | Non
     return out
 
 
+def ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds of ``runs`` over the base policy's, repeat by repeat (the arms interleaved): median, min, max; and
+    per generated token (another policy writes other episodes, of other lengths)."""
+    r = [a["seconds"] / b["seconds"] for a, b in zip(runs, base)]
+    t = [(a["seconds"] / a["tokens"]) / (b["seconds"] / b["tokens"]) for a, b in zip(runs, base)]
+    return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3),
+            "per_repeat": [round(x, 3) for x in r], "per_token_median": round(statistics.median(t), 3),
+            "per_token_min": round(min(t), 3), "per_token_max": round(max(t), 3)}
+
+
 def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
     from tracekit.stages import build_agent, build_suite
 
@@ -317,6 +345,8 @@ def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
     agents = {arm: (agent, settings) for arm, settings in arms.items()}
     if args.lora and name == args.lora_target:  # the same episodes under a LoRA adapter (merged: the fast decoder)
         agents["lora"] = (build_agent(cfg, adapter=str(random_lora(cfg, tmp / "lora"))), arms["batched"])
+    if args.moe and name == args.lora_target:  # and under a LoRA-MoE (its gates and bank in the fast decoder)
+        agents["moe"] = (build_agent(cfg, moe=str(random_moe(cfg, tmp / "moe", args.moe_adapters))), arms["batched"])
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in agents}
     order = list(agents)
     for policy, _ in {id(a): (a, b) for a, b in agents.values()}.values():
@@ -328,7 +358,7 @@ def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
             runs[arm].append(r)
             print(f"  {name} repeat {i} {arm:>9}: {r['seconds']:7.1f} s  " + " ".join(f"{p} {r['split'][p]:.1f}" for p in PARTS),
                   flush=True)
-    lora = runs.pop("lora", None)
+    lora, moe = runs.pop("lora", None), runs.pop("moe", None)
     result = {"overrides": overrides, "batch_size": cfg.agent.batch_size, "max_steps": cfg.eval.max_steps,
               "max_new_tokens": cfg.agent.max_new_tokens,
               **summarize(runs, {arm: 0.0 if exact_arm(arms[arm]["batched_host_step"], arms[arm]["pick_on_device"], cuda)
@@ -336,7 +366,15 @@ def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
     if lora:
         result["lora"] = summarize({"batched": lora})["arms"]["batched"]
         result["lora"]["note"] = "a seeded random LoRA (r 8, every projection): other episodes than the base policy's"
+        result["ratio_lora_over_base"] = ratio(lora, runs["batched"])
         agents["lora"][0].close()
+    if moe:
+        result["moe"] = summarize({"batched": moe})["arms"]["batched"]
+        result["moe"]["note"] = (f"a seeded random LoRA-MoE, {args.moe_adapters} random LoRAs (r 8, every projection), "
+                                 "top-1 by random gates: other episodes than the base policy's")
+        result["moe"]["decoder"] = "fast" if agents["moe"][0].client._decoder is not None else "plain"
+        result["ratio_moe_over_base"] = ratio(moe, runs["batched"])
+        agents["moe"][0].close()
     agent.close()
     getattr(suite, "close", lambda: None)()
     return result
@@ -506,8 +544,7 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"\n{'target':>10} {'arm':>9} {'median s':>9} {'ep/s':>7} {'tok/s':>7} " + " ".join(f"{p:>8}" for p in PARTS))
     for name, res in results["targets"].items():
         arms = dict(res["arms"])
-        if "lora" in res:
-            arms["lora"] = res["lora"]
+        arms.update({arm: res[arm] for arm in ("lora", "moe") if arm in res})
         for arm, a in arms.items():
             print(f"{name:>10} {arm:>9} {a['median_s']:>9.1f} {a['episodes_per_s']:>7.3f} {a['tokens_per_s']:>7.1f} "
                   + " ".join(f"{a['split_median'][p]:>8.2f}" for p in PARTS))
@@ -516,6 +553,11 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{'':>10} ratio reference/batched: wall {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f}), "
                   f"host side (mask+pick+compile) {h['median']:.2f}x ({h['min']:.2f}-{h['max']:.2f}); "
                   f"identical episodes {res['identical']}/{res['episodes']}")
+        for arm in ("lora", "moe"):
+            if f"ratio_{arm}_over_base" in res:
+                r = res[f"ratio_{arm}_over_base"]
+                print(f"{'':>10} ratio {arm}/base: {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f}), per generated token "
+                      f"{r['per_token_median']:.3f}x ({r['per_token_min']:.3f}-{r['per_token_max']:.3f})")
     if "host" in results:
         h = results["host"]
         print(f"\nhost step without a model, {h['rows']} rows x {h['vocab']} vocab, {h['threads']} host thread(s) by default "
@@ -545,7 +587,9 @@ def main() -> int:
     ap.add_argument("--host-threads", type=int, default=2, help="host section: also this many pick threads")
     ap.add_argument("--generate", type=int, default=0, help="first-turn prompts for plain transformers generate (0: skip)")
     ap.add_argument("--lora", action="store_true", help="also roll out a seeded random LoRA adapter (batched arm)")
-    ap.add_argument("--lora-target", default="tau2_mini")
+    ap.add_argument("--moe", action="store_true", help="also roll out a seeded random LoRA-MoE (batched arm)")
+    ap.add_argument("--moe-adapters", type=int, default=3, help="random adapters the LoRA-MoE composes")
+    ap.add_argument("--lora-target", default="tau2_mini", help="the target of the lora and moe arms")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.repeats < 1:

@@ -125,6 +125,8 @@ def test_only_the_moes_own_hooks_are_bypassed(adapters, tiny_backbone):
     finally:
         handle.remove()
     assert isinstance(open_session(dec, PROMPTS, 0, 4), FastSession)
+    with pytest.raises(NotImplementedError, match="compile_layers with a LoRA-MoE"):
+        FastDecoder(moe, compile_layers=True)
     # the backbone alone carries the gate hooks, which nothing bypasses there; without them, banks whose gate no
     # LoRAMoEModel runs: nothing would set their routing
     assert "model.layers.0 has forward hooks" in unsupported_reason(moe.model)

@@ -116,3 +116,38 @@ def test_tau2_airline_prompt_fits_and_prefills(smol):
     assert 3000 < n < model.config.max_position_embeddings
     (resp,) = client.chat([ChatRequest(messages=messages, tools=tools, max_new_tokens=2, return_tokens=True)])
     assert len(resp.prompt_token_ids) == n and len(resp.completion_token_ids) >= 1
+
+
+def test_lora_moe_fast_decoding_equals_plain_on_smollm2(smol, tmp_path):
+    """A LoRA-MoE over two random adapters (every projection) on SmolLM2: the fast decoder (gates and bank in the
+    layer step, prefix reuse across turns) gives the plain hooked path's tokens, log-probs within float32 rounding."""
+    from peft import LoraConfig, get_peft_model
+
+    from tracekit.moe.model import MoEConfig, build_lora_moe
+
+    _, tok = smol
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {}
+    for i in range(2):
+        model = get_peft_model(load_backbone("smollm2_135m")[0], LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        model.save_pretrained(tmp_path / f"ad{i}")
+        adapters[f"cap{i}"] = tmp_path / f"ad{i}"
+    moe = build_lora_moe(load_backbone("smollm2_135m")[0], adapters, MoEConfig(gate_init_std=0.5, seed=1)).eval()
+    fast = HFChatClient(moe, tok, chat_format="smollm2", fast="on", prefix_cache_mib=256)
+    plain = HFChatClient(moe, tok, chat_format="smollm2", fast="off")
+    first = [_ask("Where is order #W2378156?", max_new_tokens=16, return_tokens=True),
+             _ask("Find me, my email is bob@x.com", max_new_tokens=16, temperature=1.0, seed=3, return_tokens=True)]
+    for reqs in (first, [ChatRequest(messages=r.messages + [Message(role="assistant", content="Let me check."),
+                                                             Message(role="user", content="Thanks.")],
+                                     tools=RETAIL_TOOLS, max_new_tokens=12, return_tokens=True) for r in first]):
+        a, b = fast.chat(reqs), plain.chat(reqs)
+        assert [r.completion_token_ids for r in a] == [r.completion_token_ids for r in b]
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(x.completion_logprobs), torch.tensor(y.completion_logprobs), atol=1e-4)
+    counts = fast.clear_prefix_cache()
+    assert counts["prefilled_tokens"] < counts["prompt_tokens"] / 2  # the shared system prompt and tools, the first turn

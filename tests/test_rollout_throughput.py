@@ -348,3 +348,21 @@ def test_benchmark_compares_device_picks_within_their_tolerance():
     assert rt.exact_arm(False, None, cuda=True) and rt.exact_arm(True, None, cuda=False)
     assert not rt.exact_arm(True, None, cuda=True) and rt.exact_arm(True, False, cuda=True)
     assert set(rt.arm_settings(cuda=True)) == {"batched", "reference", "host_pick"}
+
+
+def test_benchmark_moe_arm_decodes_on_the_fast_path_and_ratios(make_cfg, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import rollout_throughput as rt
+
+    from tracekit.stages import build_agent, build_suite
+
+    cfg = make_cfg("backbone=tiny", "benchmark.limit=1")
+    agent = build_agent(cfg, moe=str(rt.random_moe(cfg, tmp_path, adapters=2)))
+    rt.warm_up(cfg, build_suite(cfg), agent)
+    dec = agent.client._decoder
+    assert dec is not None and all(b is not None for b in dec.lora_moe)  # every block routes, in the fast decoder
+    runs = [{"seconds": 3.0, "tokens": 30}, {"seconds": 2.0, "tokens": 10}]
+    base = [{"seconds": 2.0, "tokens": 20}, {"seconds": 2.0, "tokens": 20}]
+    r = rt.ratio(runs, base)
+    assert r["per_repeat"] == [1.5, 1.0] and r["median"] == 1.25 and (r["min"], r["max"]) == (1.0, 1.5)
+    assert (r["per_token_min"], r["per_token_max"]) == (1.0, 2.0)

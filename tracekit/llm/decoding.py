@@ -600,6 +600,8 @@ class FastDecoder:
             self.down = [_Fused(_dense_mlp(l.mlp)[2:]) if _dense_mlp(l.mlp) else None for l in self.layers]
         self._fused = [f for f in (*self.qkv, *self.o, *self.gu, *self.down) if f is not None]
         moe_model = lora_moe_of(model)
+        if compile_layers and moe_model is not None:  # the compiled step is built and checked for plain layers only
+            raise NotImplementedError("compile_layers with a LoRA-MoE model (its gated layer step runs eagerly)")
         # a LoRA-MoE: each adapted block's gate and bank run inside the layer step; its hooks are bypassed
         self.applied_hooks = moe_model.gate_hook_ids if moe_model is not None else frozenset()
         self.lora_moe: list[_LoRAMoEBlock | None] = [None] * len(self.layers)
