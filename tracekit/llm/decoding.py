@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason
 from tracekit.llm.prefix_cache import PrefixStore, batch_shared_prefixes
 from tracekit.moe.layer import LoRAMoELinear, adapter_weights, gate_probs
+from tracekit.moe.model import LoRAMoEModel
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +207,6 @@ _BENIGN_HOOKS = ("make_inputs_require_grads",)  # transformers' checkpointing ho
 
 def lora_moe_of(model: torch.nn.Module):
     """The :class:`~tracekit.moe.model.LoRAMoEModel` ``model`` is (inside a DeepSpeed wrapper), else None."""
-    from tracekit.moe.model import LoRAMoEModel
-
     m = getattr(model, "module", model)
     return m if isinstance(m, LoRAMoEModel) else None
 

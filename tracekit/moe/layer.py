@@ -258,10 +258,8 @@ def make_plan(probs: torch.Tensor, routing: BlockRouting, dtype: torch.dtype):
 
     Computed once per block and forward, on the device (no host sync)."""
     spec, off = routing.spec, 1 if routing.base_slot else 0
-    if spec.top_k is None:
-        return _DensePlan(probs[:, off:], routing.rank, dtype)
-    if spec.impl == "masked_dense":
-        return _DensePlan(masked_topk_probs(probs, spec.top_k, spec.renormalize)[:, off:], routing.rank, dtype)
+    if spec.top_k is None or spec.impl == "masked_dense":
+        return _DensePlan(adapter_weights(probs, spec.top_k, spec.renormalize, routing.base_slot), routing.rank, dtype)
     k = spec.top_k
     w, slots = topk_weights(probs, k, spec.renormalize)
     gather_max = spec.gather_max_tokens if spec.gather_max_tokens is not None else (64 if probs.is_cuda else 16)
