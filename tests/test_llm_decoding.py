@@ -233,6 +233,7 @@ def test_teacher_forced_fast_paths_match_float32_on_cpu(tok):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fast_paths_within_bf16_tolerance(tok):
     errs = _check_against_float32(tok, "cuda", torch.bfloat16, compiled=(False, True))
     assert "sdpa/graphs=True/compiled=True" in errs and errs["plain"] > 0, errs

@@ -483,7 +483,7 @@ def _attention_block(
     qg = qk[:, :, :Hq].transpose(1, 2).reshape(B, n_kv, G * c, D)
     span = bias.shape[-1]
     o = _attend(qg, kc[:, :, :span], vc[:, :, :span], bias, sh)
-    o = o.view(B, Hq, c, D).transpose(1, 2).reshape(B * c, dq)
+    o = o.reshape(B, Hq, c, D).transpose(1, 2).reshape(B * c, dq)
     out = _add_linear(x, o, o_w, o_b)
     return out if lora is None else _with_delta(out, o, lora[2], lora[0])
 
