@@ -168,6 +168,9 @@ def test_sizing(caplog, monkeypatch):
     dear.expensive_steps = True
     assert resolve_workers("auto", cheap) == 0 and resolve_workers("auto", dear) == 3 and resolve_workers(0, dear) == 0
     assert resolve_workers("2", cheap) == 2
+    monkeypatch.setattr(P, "cpu_count", lambda: 2)
+    assert resolve_workers("auto", dear) == 0  # one worker would step nothing in parallel
+    monkeypatch.setattr(P, "cpu_count", lambda: 4)
     with caplog.at_level("WARNING"):
         assert resolve_workers(9, cheap) == 4
     assert "clamped to 4" in caplog.text

@@ -40,7 +40,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
@@ -49,6 +49,7 @@ from tracekit.types import Message, Task
 log = logging.getLogger(__name__)
 
 MAX_AUTO_WORKERS = 8  # auto: min(cpus - 1, this) for suites with expensive steps
+MIN_AUTO_WORKERS = 2  # auto: in-process below this many (a 2-CPU machine)
 
 
 def cpu_count() -> int:
@@ -66,6 +67,7 @@ class SuiteSpec:
     factory: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    preload: tuple[str, ...] = ()  # modules the forkserver imports once, before it forks workers (tau^2: ~10 s)
 
     def build(self) -> EnvSuite:
         mod, _, attr = self.factory.partition(":")
@@ -306,6 +308,11 @@ class EnvPool:
             raise ValueError(f"an EnvPool needs >= 1 worker, got {workers}")
         self.spec, self.n, self.max_restarts = spec, workers, max_restarts
         self._ctx = mp.get_context("forkserver")
+        from multiprocessing import forkserver
+
+        if getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", 1) is None:  # not started yet
+            # heavy imports paid once in the forkserver: every worker (and every restart) forks with them loaded
+            self._ctx.set_forkserver_preload(list(dict.fromkeys([spec.factory.partition(":")[0], *spec.preload])))
         self._tmp = tempfile.mkdtemp(prefix="tracekit-envpool-")
         self._next_key = 0
         self._restarts = [0] * workers
@@ -516,12 +523,15 @@ class PooledSuite(EnvSuite):
 
 def resolve_workers(setting: Any, suite: EnvSuite | None = None) -> int:
     """``rollout.env_workers`` as a worker count: ``0`` in-process; ``auto``: ``min(cpus - 1, 8)`` for suites
-    flagged ``expensive_steps``, else 0; ``N``: clamped to the machine's CPUs (logged)."""
+    flagged ``expensive_steps`` when that is >= 2, else 0; ``N``: clamped to the machine's CPUs (logged)."""
     cpus = cpu_count()
     if setting == "auto":
         if suite is None or not getattr(suite, "expensive_steps", False):
             return 0
-        return max(0, min(cpus - 1, MAX_AUTO_WORKERS))
+        n = min(cpus - 1, MAX_AUTO_WORKERS)
+        # one worker steps nothing in parallel and costs the pool's start (tau^2: ~20 s on 2 busy cores, where a
+        # gold retail episode costs ~10-40 ms in process): benchmarks/rollout_throughput.py --gold
+        return n if n >= MIN_AUTO_WORKERS else 0
     n = int(setting)
     if n < 0:
         raise ValueError(f"rollout.env_workers={setting!r}: must be auto, 0 or a positive integer")
@@ -551,6 +561,7 @@ def pooled(suite: EnvSuite, spec: SuiteSpec | Callable[[], SuiteSpec | None] | N
     if n == 0 or spec is None:
         yield suite
         return
+    spec = replace(spec, preload=(*spec.preload, type(suite).__module__))
     with EnvPool(spec, n) as pool:
         yield PooledSuite(suite, pool)
 
@@ -569,4 +580,4 @@ def config_spec(cfg: Any, split: str | None = None) -> SuiteSpec | None:
             plain[k] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
         except Exception:  # noqa: BLE001
             continue
-    return SuiteSpec("tracekit.envs.pool:suite_from_config", (plain, split))
+    return SuiteSpec("tracekit.envs.pool:suite_from_config", (plain, split), preload=("tracekit.stages",))
