@@ -188,3 +188,40 @@ def test_env_workers_is_validated_and_in_no_cache_key(make_cfg):
             validate(make_cfg(f"rollout.env_workers={bad}"))
     cfg = make_cfg("rollout.env_workers=2")
     assert "rollout" in EXECUTION_KEYS and not any(r.startswith("rollout") for r in rollout_reads(cfg))
+
+
+def test_grpo_training_through_a_pool_trains_the_same_adapter(tmp_path):
+    """GRPO rollouts go through the episode core: TrainSpec.env_workers=2 steps the env Factory's suite in workers
+    (GRPOTrainer sees a PooledSuite) and the adapter comes out the same as in-process."""
+    from safetensors.torch import load_file
+
+    import tracekit.envs.pool as P
+    from tracekit.rl.launch import Factory, TrainSpec, run_training
+    from tracekit.rl.trainer import GRPOSettings, LoraSettings
+
+    made = []
+    orig = P.PooledSuite.__init__
+
+    def spy(self, suite, pool):
+        made.append(pool.n)
+        orig(self, suite, pool)
+
+    P.PooledSuite.__init__ = spy
+    try:
+        out = {}
+        for workers in (0, 2):
+            spec = TrainSpec(
+                model=Factory("tracekit.rl.toy:tiny_policy", {"seed": 0}),
+                env=Factory("tracekit.rl.toy:keyword_suite", {"turns": 2}),
+                out_dir=str(tmp_path / str(workers)), env_workers=workers,
+                grpo=GRPOSettings(iterations=1, groups=2, group_size=4, max_new_tokens=8, max_steps=2, lr=1e-2,
+                                  num_minibatches=1, lora=LoraSettings(rank=4, alpha=8), save_rollouts="full", seed=0))
+            assert TrainSpec.from_json(spec.to_json()) == spec
+            out[workers] = load_file(str(run_training(spec) / "adapter_model.safetensors"))
+    finally:
+        P.PooledSuite.__init__ = orig
+    assert made == [2]
+    assert out[0].keys() == out[2].keys() and all(torch.equal(out[0][k], out[2][k]) for k in out[0])
+
+
+import torch  # noqa: E402

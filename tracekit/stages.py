@@ -465,7 +465,10 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
         spec = TrainSpec(
             model=Factory("tracekit.llm.backbones:load_backbone",
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
-            env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg))
+            env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg),
+            # execution only (in no key); an LLM user's replies are batched in the trainer's process
+            env_workers=0 if OmegaConf.select(cfg, "user.kind", default=None) == "llm"
+            else OmegaConf.select(cfg, "rollout.env_workers", default="auto"))
         launcher = LauncherSettings(**_plain(cfg.launcher))
         logger = ctx.record.logger
 

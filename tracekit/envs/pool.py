@@ -521,10 +521,10 @@ class PooledSuite(EnvSuite):
 # sizing
 
 
-def resolve_workers(setting: Any, suite: EnvSuite | None = None) -> int:
+def resolve_workers(setting: Any, suite: EnvSuite | None = None, share: int = 1) -> int:
     """``rollout.env_workers`` as a worker count: ``0`` in-process; ``auto``: ``min(cpus - 1, 8)`` for suites
     flagged ``expensive_steps`` when that is >= 2, else 0; ``N``: clamped to the machine's CPUs (logged)."""
-    cpus = cpu_count()
+    cpus = max(1, cpu_count() // max(1, share))  # share: processes on this machine each sizing a pool (ranks)
     if setting == "auto":
         if suite is None or not getattr(suite, "expensive_steps", False):
             return 0
@@ -552,10 +552,11 @@ def valid_setting(setting: Any) -> bool:
 
 
 @contextmanager
-def pooled(suite: EnvSuite, spec: SuiteSpec | Callable[[], SuiteSpec | None] | None, workers: Any) -> Iterator[EnvSuite]:
+def pooled(suite: EnvSuite, spec: SuiteSpec | Callable[[], SuiteSpec | None] | None, workers: Any,
+           share: int = 1) -> Iterator[EnvSuite]:
     """``suite`` itself (``workers`` resolves to 0, or no ``spec``), else a :class:`PooledSuite` over a pool of
     that many workers, closed on exit. ``spec`` may be a function, called only when a pool is made."""
-    n = resolve_workers(workers, suite)
+    n = resolve_workers(workers, suite, share)
     if n > 0 and callable(spec):
         spec = spec()
     if n == 0 or spec is None:
