@@ -225,3 +225,38 @@ def test_grpo_training_through_a_pool_trains_the_same_adapter(tmp_path):
 
 
 import torch  # noqa: E402
+
+
+def _cli_rollout(root, cache, *overrides):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRACEKIT_ROOT": str(root), "TRACEKIT_CACHE": str(cache), "WANDB_MODE": "offline"}
+    before = set((root / "outputs" / "runs").glob("*")) if (root / "outputs" / "runs").exists() else set()
+    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", "stages=[rollout]", "agent.kind=gold",
+                          "logger=none", *overrides], cwd=repo, env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = set((root / "outputs" / "runs").glob("*")) - before
+    return json.loads((run_dir / "artifacts.json").read_text()), out.stdout + out.stderr
+
+
+def test_the_rollout_stage_with_workers_is_the_same_artifact(tmp_path):
+    """rollout.env_workers is in no key: a run with env_workers=2 computes the artifact, one with 0 hits it, and its
+    trajectories equal a fresh in-process run's."""
+    from pathlib import Path
+
+    pooled_run, log = _cli_rollout(tmp_path, tmp_path / "cache", "rollout.env_workers=2")
+    assert not any(a["cache_hit"] for a in pooled_run.values()) and "env pool: 2 worker processes" in log
+    hit, _ = _cli_rollout(tmp_path, tmp_path / "cache", "rollout.env_workers=0")
+    assert hit.keys() == pooled_run.keys() and all(a["cache_hit"] for a in hit.values())
+    serial, log = _cli_rollout(tmp_path, tmp_path / "cache0", "rollout.env_workers=0")
+    assert "env pool" not in log
+    assert serial.keys() == pooled_run.keys()
+
+    def trajectories(run):
+        (ep,) = [Path(a["path"]) for a in run.values() if a["stage"] == "episodes"]
+        return [_view(t) for t in read_trajectories(ep)]
+
+    assert trajectories(pooled_run) == trajectories(serial) and len(trajectories(serial)) > 0
