@@ -129,6 +129,26 @@ def dying_suite(n: int) -> EnvSuite:
     return DyingSuite(n)
 
 
+class BigEpisode(DyingEpisode):
+    def outcome(self) -> Outcome:
+        return Outcome(reward=1.0, success=True, info={"blob": "y" * 300_000})
+
+
+class BigSuite(DyingSuite):
+    """Tasks and outcomes far over a pipe's buffer: the pool must not deadlock on message sizes."""
+
+    def __init__(self, n: int):
+        self.name = "big"
+        self._tasks = [Task(id=f"t{i}", env="big", data={"die": False, "blob": "x" * 300_000}) for i in range(n)]
+
+    def episode(self, task, seed=0):
+        return BigEpisode(task)
+
+
+def big_suite(n: int) -> EnvSuite:
+    return BigSuite(n)
+
+
 from tracekit.types import Message, Task  # noqa: E402
 
 
@@ -150,6 +170,16 @@ def test_a_dead_worker_ends_only_its_episodes_with_its_exit_and_last_stderr_line
         assert "last stderr line: about to die: the sandbox segfaulted" in trajs[tid].error
     assert all(trajs[t].reward == 1.0 and trajs[t].error is None for t in ("t1", "t3", "t4", "t5"))
     assert not first.proc.is_alive() and all(not w.proc.is_alive() for w in pool.workers if w is not None)
+
+
+def test_messages_over_the_pipe_buffer_do_not_deadlock(tmp_path):
+    from tracekit.agents import LLMAgent
+
+    agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16)
+    with EnvPool(SuiteSpec("tests.test_env_pool:big_suite", (8,)), 2) as pool:
+        s = run_rollouts(PooledSuite(BigSuite(8), pool), agent, tmp_path, max_steps=5, batch_size=8, progress=False)
+    assert s.errors == 0 and s.ran == 8
+    assert all(len(t.info["blob"]) == 300_000 for t in read_trajectories(tmp_path))
 
 
 def test_a_suite_that_cannot_be_built_refuses_the_pool():

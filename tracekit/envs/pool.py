@@ -34,7 +34,9 @@ import os
 import pickle
 import shutil
 import sys
+import queue
 import tempfile
+import threading
 import traceback
 import weakref
 from collections import defaultdict
@@ -114,7 +116,20 @@ def _worker_main(conn: Any, spec: SuiteSpec, stderr_path: str) -> None:
     except BaseException:  # noqa: BLE001 - reported to the driver, which refuses to start the pool
         conn.send(("failed", traceback.format_exc()[-3000:]))
         return
-    conn.send(("ready", suite.name))
+    # every message out goes through one sender thread, so this loop never blocks on a full pipe: it keeps reading
+    # the driver's batches while an outcome waits to be read (no deadlock whatever the message sizes)
+    out: queue.Queue = queue.Queue()
+
+    def sender() -> None:
+        while (m := out.get()) is not None:
+            try:
+                conn.send(m)
+            except (OSError, ValueError):
+                return
+
+    thread = threading.Thread(target=sender, name="tracekit-env-sender", daemon=True)
+    thread.start()
+    out.put(("ready", suite.name))
     episodes: dict[int, Episode] = {}
     to_score: list[int] = []  # ended episodes, scored while the driver decodes
 
@@ -126,7 +141,7 @@ def _worker_main(conn: Any, spec: SuiteSpec, stderr_path: str) -> None:
             res: Any = ep.outcome()
         except Exception as e:  # noqa: BLE001
             res = e
-        conn.send(("outcome", key, _picklable(res)))
+        out.put(("outcome", key, _picklable(res)))
 
     try:
         while True:
@@ -152,33 +167,35 @@ def _worker_main(conn: Any, spec: SuiteSpec, stderr_path: str) -> None:
                         made.append((key, e))
                 ok = [(k, ep) for k, ep in made if not isinstance(ep, Exception)]
                 obs = iter(suite.reset_batch([ep for _, ep in ok]))
-                out = []
+                results = []
                 for key, ep in made:
                     r = ep if isinstance(ep, Exception) else next(obs)
                     if not isinstance(r, Exception):
                         episodes[key] = ep
                         if r.done:
                             to_score.append(key)
-                    out.append(_picklable(r))
-                reply["reset"] = out
+                    results.append(_picklable(r))
+                reply["reset"] = results
             if "step" in batch:
                 keys = [k for k, _ in batch["step"]]
                 live = [k for k in keys if k in episodes]
                 res = iter(suite.step_batch([episodes[k] for k in live], [a for k, a in batch["step"] if k in episodes]))
-                out = []
+                results = []
                 for key in keys:
                     r = next(res) if key in episodes else KeyError(f"env worker holds no episode {key}")
                     if isinstance(r, Exception):
                         episodes.pop(key, None)
                     elif r.done:
                         to_score.append(key)
-                    out.append(_picklable(r))
-                reply["step"] = out
+                    results.append(_picklable(r))
+                reply["step"] = results
             if msg[0] == "batch":
-                conn.send(("reply", reply))
+                out.put(("reply", reply))
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # the driver is gone
     finally:
+        out.put(None)
+        thread.join(10)
         getattr(suite, "close", lambda: None)()
 
 
@@ -361,9 +378,9 @@ class EnvPool:
 
     def _replace(self, w: _Worker) -> None:
         """Start a new worker in a dead one's slot (for later episodes), up to ``max_restarts`` times."""
-        self.deaths.append(w.dead or "")
         if self.workers[w.slot] is not w:
             return
+        self.deaths.append(w.dead or "")
         if self._restarts[w.slot] >= self.max_restarts:
             log.warning("env pool: slot %d died %d times; not restarted", w.slot, self._restarts[w.slot] + 1)
             self.workers[w.slot] = None
