@@ -290,3 +290,66 @@ def test_the_rollout_stage_with_workers_is_the_same_artifact(tmp_path):
         return [_view(t) for t in read_trajectories(ep)]
 
     assert trajectories(pooled_run) == trajectories(serial) and len(trajectories(serial)) > 0
+
+
+class SlowEpisode(DyingEpisode):
+    """Steps take 0.2 s and the verifier 0.5 s (sleeps: wall time, whatever the machine's load)."""
+
+    def step(self, action) -> StepResult:
+        import time
+
+        time.sleep(0.2)
+        return super().step(action)
+
+    def outcome(self) -> Outcome:
+        import time
+
+        time.sleep(0.5)
+        return super().outcome()
+
+
+class SlowSuite(DyingSuite):
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.name = "slow"
+        for t in self._tasks:
+            t.data["die"] = False
+
+    def episode(self, task, seed=0):
+        return SlowEpisode(task)
+
+
+def slow_suite(n: int) -> EnvSuite:
+    return SlowSuite(n)
+
+
+class SlowClient(StubClient):
+    def chat(self, requests):
+        import time
+
+        time.sleep(0.3)  # the decode
+        return super().chat(requests)
+
+
+def test_steps_run_in_parallel_and_scoring_overlaps_the_decode(tmp_path):
+    """6 episodes of 3 steps: in process 3 x (0.3 s decode + 6 x 0.2 s steps) + 6 x 0.5 s verifier = 7.5 s; with 3
+    workers the steps of a round run side by side and the verifier of ended episodes runs during the next decode
+    (episodes end at different rounds: batch 4 < 6)."""
+    import time
+
+    from tracekit.agents import LLMAgent
+
+    def run(suite, out):
+        agent = LLMAgent(SlowClient(), temperature=0.0, max_new_tokens=16)
+        t0 = time.perf_counter()
+        s = run_rollouts(suite, agent, out, max_steps=5, batch_size=4, progress=False)
+        assert s.errors == 0 and s.ran == 6 and s.mean_reward == 1.0
+        return time.perf_counter() - t0
+
+    serial = run(SlowSuite(6), tmp_path / "serial")
+    with EnvPool(SuiteSpec("tests.test_env_pool:slow_suite", (6,)), 3) as pool:
+        pooled_s = run(PooledSuite(SlowSuite(6), pool), tmp_path / "pooled")
+    print(f"serial {serial:.2f} s, pooled {pooled_s:.2f} s")
+    assert serial > 7.0 and pooled_s < 0.7 * serial, (serial, pooled_s)
+    assert [_view(t) for t in read_trajectories(tmp_path / "serial")] == [
+        _view(t) for t in read_trajectories(tmp_path / "pooled")]
