@@ -353,3 +353,26 @@ def test_steps_run_in_parallel_and_scoring_overlaps_the_decode(tmp_path):
     assert serial > 7.0 and pooled_s < 0.7 * serial, (serial, pooled_s)
     assert [_view(t) for t in read_trajectories(tmp_path / "serial")] == [
         _view(t) for t in read_trajectories(tmp_path / "pooled")]
+
+
+def test_the_benchmark_writes_its_json_atomically(tmp_path):
+    from benchmarks.rollout_throughput import write_json
+
+    path = tmp_path / "r" / "out.json"
+    write_json(path, {"targets": {"a": 1}})
+    write_json(path, {"targets": {"a": 1}, "gold": {"x": 2}})
+    import json
+
+    assert json.loads(path.read_text()) == {"targets": {"a": 1}, "gold": {"x": 2}}
+    assert [p.name for p in path.parent.iterdir()] == ["out.json"]  # no temporary left behind
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tau2") is None, reason="the tau2 package is not installed")
+def test_the_benchmark_gold_section(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks.rollout_throughput import gold_section
+
+    res = gold_section(SimpleNamespace(gold=3, gold_workers=2, gold_batch=2, repeats=1))
+    assert res["episodes"] == 3 and res["identical"] == 3 and len(res["pool_start_s"]) == 2
+    assert set(res["ratio_serial_over_pool"]) == {"median", "min", "max"}
