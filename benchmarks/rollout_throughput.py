@@ -37,12 +37,18 @@ Two more sections, same process:
   threads); per-step host milliseconds, which on the GPU are not hidden behind the model.
 - ``generate`` (``--generate N``): the first turn of N tau2_mini episodes by plain transformers ``generate``
   (greedy, no grammar), batched and one prompt at a time, against this client's batched path.
+- ``gold`` (``--gold N``): the environment's cost alone: N real tau^2 retail tasks with the gold agent (no model),
+  in process (``env_workers=0``) against an env pool of ``--gold-workers`` processes (:mod:`tracekit.envs.pool`),
+  interleaved repeats, serial/pool the median with min-max; the same trajectories required.
+
+``--json`` is rewritten (atomically) after every target and section.
 
     python benchmarks/rollout_throughput.py                                   # tau2_mini + gain, 3 repeats
     python benchmarks/rollout_throughput.py --targets tau2_mini --repeats 3 --lora --generate 3
     python benchmarks/rollout_throughput.py --targets tau2_mini --repeats 3 --moe --host-rows 0
     python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput_cpu.json
     python benchmarks/rollout_throughput.py --targets gain --gain-limit 100 --generate 0   # the gain run's 300 (GPU)
+    python benchmarks/rollout_throughput.py --targets --host-rows 0 --gold 20 --gold-workers 2   # env pool only
 """
 
 from __future__ import annotations
@@ -538,6 +544,87 @@ def generate_section(args) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# The environment's cost alone: real tau^2 retail with the gold agent, in process vs an env pool
+
+
+def gold_suite(limit: int) -> Any:
+    """Real tau^2 retail (test split, scripted user), the first ``limit`` tasks: the gold section's suite (also a
+    :class:`~tracekit.envs.pool.SuiteSpec` factory, so the workers build the same one)."""
+    from tracekit.envs.tau2 import Tau2Suite
+    from tracekit.envs.users import ScriptedUser
+
+    return Tau2Suite(name="tau2_retail", domains=["retail"], limit=limit, user=ScriptedUser(max_turns=10))
+
+
+def gold_section(args) -> dict[str, Any]:
+    """``env_workers=0`` (in process, today's path) against ``env_workers=N`` on the same gold-agent episodes,
+    interleaved (ABBA) over ``--repeats``; the pool's start (worker processes building their suites) is timed
+    apart from its rollouts. Every arm must give the same trajectories."""
+    from tracekit.agents import GoldAgent
+    from tracekit.envs.pool import EnvPool, PooledSuite, SuiteSpec
+    from tracekit.rollout import read_trajectories, run_rollouts
+
+    n = args.gold_workers
+    spec = SuiteSpec("benchmarks.rollout_throughput:gold_suite", (args.gold,), preload=("tracekit.envs.tau2",))
+    suite = gold_suite(args.gold)
+    arms = ["serial", f"pool{n}"]
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    starts: list[float] = []
+    seen: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    pool = EnvPool(spec, n)  # one pool for the section, as a rollout stage starts one per rollout
+    starts.append(time.perf_counter() - t0)
+    stepped = {"serial": suite, arms[1]: PooledSuite(suite, pool)}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for a in arms:  # untimed: what a process pays once (imports, the domain's data, first evaluations)
+                run_rollouts(stepped[a], GoldAgent(), Path(tmp) / f"warm-{a}", max_steps=50, batch_size=args.gold_batch,
+                             progress=False)
+            for i in range(args.repeats):
+                for a in (arms if i % 2 == 0 else arms[::-1]):
+                    out = Path(tmp) / f"{a}-{i}"
+                    t0 = time.perf_counter()
+                    s = run_rollouts(stepped[a], GoldAgent(), out, max_steps=50, batch_size=args.gold_batch,
+                                     progress=False)
+                    times[a].append(time.perf_counter() - t0)
+                    seen[a] = {(t.task_id, t.sample): ([m.model_dump(mode="json") for m in t.messages], t.reward)
+                               for t in read_trajectories(out)}
+                    print(f"  gold repeat {i} {a:>7}: {times[a][-1]:6.2f} s, {s.ran} episodes, mean reward "
+                          f"{s.mean_reward:.3f}, errors {s.errors}", flush=True)
+    finally:
+        pool.close()
+    t0 = time.perf_counter()
+    with EnvPool(spec, n):  # a second pool in the same process: the forkserver already holds the imports
+        starts.append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["serial"], times[arms[1]])]
+    ref = seen["serial"]
+    return {
+        "target": "tau2 retail (test split), gold agent, scripted user", "episodes": len(ref),
+        "workers": n, "batch_size": args.gold_batch,
+        **{a: {"seconds": [round(x, 3) for x in times[a]], "median_s": round(statistics.median(times[a]), 3),
+               "episodes_per_s": round(len(ref) / statistics.median(times[a]), 3)} for a in arms},
+        "pool_start_s": [round(x, 3) for x in starts],
+        "ratio_serial_over_pool": {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+                                   "max": round(max(ratios), 3)},
+        "identical": sum(seen[arms[1]].get(k) == v for k, v in ref.items()),
+        "note": f"within-run ratio on this machine ({os.cpu_count()} CPUs, load average at start in machine); the "
+                "pool's start (pool_start_s: the first with a cold forkserver importing tau2, then a second pool's) is "
+                "paid once per rollout and is not in the ratio; each arm warmed by one untimed rollout",
+    }
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    """``results`` to ``path`` atomically (a temporary file, then ``os.replace``): written after every section, so
+    a run cut by a time limit keeps the sections already done."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -570,6 +657,16 @@ def print_table(results: dict[str, Any]) -> None:
                 print(f"  {key} {arm:>17}: {a['ms_per_step']:7.1f} ms/step {a['us_per_row_step']:6.0f} us/row-step"
                       + (f"  {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "")
                       + f"  grammar compile {statistics.median(a['compile_s']):.2f} s")
+    if "gold" in results:
+        g = results["gold"]
+        r = g["ratio_serial_over_pool"]
+        pool = f"pool{g['workers']}"
+        print(f"\n{g['target']}, {g['episodes']} episodes (the environment's cost alone): serial "
+              f"{g['serial']['median_s']:.2f} s ({g['serial']['episodes_per_s']:.2f} ep/s), {g['workers']} env workers "
+              f"{g[pool]['median_s']:.2f} s ({g[pool]['episodes_per_s']:.2f} ep/s); serial/pool {r['median']:.2f}x "
+              f"({r['min']:.2f}-{r['max']:.2f}); pool start {g['pool_start_s'][0]:.1f} s (cold forkserver), "
+              f"{g['pool_start_s'][1]:.1f} s (warm); "
+              f"identical episodes {g['identical']}/{g['episodes']}")
     if "generate" in results:
         g = results["generate"]
         print(f"\nfirst turn of {g['prompts']} tau2_mini episodes ({g['prompt_tokens']} prompt tokens), tokens/s:")
@@ -590,7 +687,11 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true", help="also roll out a seeded random LoRA-MoE (batched arm)")
     ap.add_argument("--moe-adapters", type=int, default=3, help="random adapters the LoRA-MoE composes")
     ap.add_argument("--lora-target", default="tau2_mini", help="the target of the lora and moe arms")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gold", type=int, default=0,
+                    help="real tau^2 retail tasks for the gold-agent section (env_workers=0 vs N; 0: skip)")
+    ap.add_argument("--gold-workers", type=int, default=2, help="gold section: env worker processes")
+    ap.add_argument("--gold-batch", type=int, default=8, help="gold section: live episodes (batch size)")
+    ap.add_argument("--json", type=Path, default=None, help="results, rewritten after every section")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -610,18 +711,23 @@ def main() -> int:
             results["targets"][name] = res
             if res.get("identical") != res.get("episodes"):
                 print(f"  {name}: episodes differ between the arms ({res.get('identical')}/{res.get('episodes')})")
+            write_json(args.json, results)
         if args.host_rows > 0:
             print("host step at a GPU batch size (no model)", flush=True)
             results["host"] = host_section(args)
+            write_json(args.json, results)
         if args.generate > 0:
             print("plain transformers generate, first turn", flush=True)
             results["generate"] = generate_section(args)
+            write_json(args.json, results)
+        if args.gold > 0:
+            print(f"real tau^2 retail, gold agent: env_workers=0 vs {args.gold_workers}", flush=True)
+            results["gold"] = gold_section(args)
+            write_json(args.json, results)
     results["machine"]["load_average_at_end"] = os.getloadavg()
     print_table(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    same = all(r.get("identical") == r.get("episodes") for r in results["targets"].values())
+    write_json(args.json, results)
+    same = all(r.get("identical") == r.get("episodes") for r in [*results["targets"].values(), results.get("gold", {})])
     return 0 if same else 1
 
 

@@ -296,6 +296,13 @@ class EvalConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """How rollouts execute (in no cache key: results are identical whatever they are)."""
+
+    env_workers: Any = "auto"  # auto | 0 (in-process) | N: processes stepping expensive environments (tracekit.envs.pool)
+
+
+@dataclass
 class LoggerConfig:
     kind: str = "wandb"  # wandb | none
     project: str = "tracekit"
@@ -337,6 +344,7 @@ class Config:
     baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     llm: LlmConfig = field(default_factory=LlmConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     launcher: LauncherSettings = field(default_factory=LauncherSettings)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -696,6 +704,11 @@ def _validate(cfg: DictConfig) -> None:
             node[name]  # resolved: a broken ${...} is named here (paths resolve only in Hydra's app)
         if pattern in RANGES or pattern in CHOICES:
             _check_leaf(key, pattern, node[name])
+    if "rollout" in cfg:
+        from tracekit.envs.pool import valid_setting
+
+        _check(valid_setting(cfg.rollout.env_workers), "rollout.env_workers", cfg.rollout.env_workers,
+               "auto, 0 (in-process) or a positive integer (worker processes)")
     t = cfg.thresholds
     _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
     if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line

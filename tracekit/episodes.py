@@ -55,6 +55,7 @@ class EpisodeRun:
     outcome_info: dict[str, Any] = field(default_factory=dict)
     started: float = 0.0
     seconds: float = 0.0
+    _unscored: bool = field(default=False, repr=False)  # ended in a worker, its outcome not collected yet
 
     @property
     def ended(self) -> bool:
@@ -97,15 +98,46 @@ class EpisodeRun:
             self.end(res.termination or DONE)
 
     def end(self, termination: str, error: BaseException | None = None) -> None:
-        """End and score the episode; an error, the verifier's included, scores 0 and is recorded."""
-        if error is None and self.episode is not None:
+        """End and score the episode; an error, the verifier's included, scores 0 and is recorded.
+
+        An episode living in an environment worker (:mod:`tracekit.envs.pool`) is scored there: ``end`` asks
+        for its outcome and :meth:`settle` collects it."""
+        ep = self.episode
+        if error is None and ep is not None and hasattr(ep, "request_outcome"):
+            self.termination, self._unscored = termination, True
+            self.seconds = round(time.time() - self.started, 3)
+            ep.request_outcome()
+            return
+        if error is not None and ep is not None and hasattr(ep, "release"):
+            ep.release()
+        if error is None and ep is not None:
             try:
-                o = self.episode.outcome()
+                o = ep.outcome()
                 self.reward, self.success, self.outcome_info = float(o.reward), bool(o.success), dict(o.info)
             except EndpointError:
                 raise
             except Exception as e:  # noqa: BLE001
                 error = e
+        self._finish(termination, error)
+
+    def settle(self) -> None:
+        """Collect the outcome :meth:`end` asked a worker for (a no-op for in-process episodes)."""
+        if not self._unscored:
+            return
+        self._unscored = False
+        error: BaseException | None = None
+        try:
+            o = self.episode.outcome()
+            self.reward, self.success, self.outcome_info = float(o.reward), bool(o.success), dict(o.info)
+        except EndpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            error = e
+        seconds = self.seconds
+        self._finish(self.termination, error)
+        self.seconds = seconds
+
+    def _finish(self, termination: str, error: BaseException | None) -> None:
         if error is not None:
             termination, self.reward, self.success = ERROR, 0.0, False
             log.warning("episode %s/%s failed: %s: %s", self.task.id, self.sample, type(error).__name__, error)
@@ -156,18 +188,35 @@ def drive_episodes(
     action a run ends with ``max_steps`` after ``max_steps`` actions, and with ``context_overflow``
     where ``fits(run)`` says its next prompt does not fit. A slot freed by an ended run is refilled
     at the next round, so ``batch_size >= len(runs)`` is lockstep: every run live from the start.
+
+    A suite with ``defers_scoring`` (:class:`tracekit.envs.pool.PooledSuite`) scores ended runs in its
+    worker processes: the runs that ended in a round are yielded after the next ``act`` call (the
+    decode the scoring overlaps), in the same order, and with the same slots refilled, as in-process.
     """
+    deferred = bool(getattr(suite, "defers_scoring", False))
     queue = iter(runs)
     live: list[EpisodeRun] = []
+    ended: list[EpisodeRun] = []  # ended, not yet yielded (in the order they ended)
+
+    def flush() -> list[EpisodeRun]:
+        out = list(ended)
+        ended.clear()
+        for r in out:
+            r.settle()
+        return out
+
     while True:
         fresh: list[EpisodeRun] = []
         while len(live) + len(fresh) < batch_size and (r := next(queue, None)) is not None:
             r.open(suite)
             if r.ended:
-                yield r
+                ended.append(r)
+                if not deferred:
+                    yield from flush()
             else:
                 fresh.append(r)
         if not fresh and not live:
+            yield from flush()
             return
         for r, obs in zip(fresh, suite.reset_batch([r.episode for r in fresh]), strict=True):
             r.reset(obs)
@@ -178,15 +227,23 @@ def drive_episodes(
                 r.end(MAX_STEPS)
             elif fits is not None and not fits(r):
                 r.end(CONTEXT_OVERFLOW)
-        yield from (r for r in live + fresh if r.ended)
+        ended.extend(r for r in live + fresh if r.ended)
         live = [r for r in live + fresh if not r.ended]
+        if not deferred:
+            yield from flush()
         if not live:
             continue
+        if deferred:
+            suite.submit()  # the workers score the runs that ended while the model decodes the others
         for r, resp in zip(live, act(live), strict=True):
             r.act(resp)
+        if deferred:
+            yield from flush()  # the runs that ended before this decode, scored meanwhile, in the in-process order
         stepping = [r for r in live if not r.ended]
         results = suite.step_batch([r.episode for r in stepping], [r.messages[-1] for r in stepping])
         for r, res in zip(stepping, results, strict=True):
             r.step(res)
-        yield from (r for r in live if r.ended)
+        ended.extend(r for r in live if r.ended)
         live = [r for r in live if not r.ended]
+        if not deferred:
+            yield from flush()

@@ -30,7 +30,7 @@ from tracekit.types import stable_hash
 log = logging.getLogger(__name__)
 
 # how a run executes, not what it computes: visible to every stage, in no key
-EXECUTION_KEYS = ("paths", "logger", "launcher", "name", "stages", "experiment")
+EXECUTION_KEYS = ("paths", "logger", "launcher", "name", "stages", "experiment", "rollout")
 
 USES = "uses.json"  # the sub-artifacts a stage artifact depends on
 

@@ -172,15 +172,19 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
     key = stable_hash({"reads": _select(cfg, rollout_reads(cfg)), "policy": policy.identity()}, length=20)
 
     def compute(work: Path) -> None:
+        from tracekit.envs.pool import config_spec, pooled
+
         suite = build_suite(cfg)
         try:
             weights = {} if policy.weights is None else {policy.kind: str(policy.weights.path / policy.subdir)}
             agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
             greedy = cfg.eval.temperature == 0
-            summary = run_rollouts(
-                suite, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
-                seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
-                context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size)
+            workers = OmegaConf.select(cfg, "rollout.env_workers", default="auto")  # execution only: in no key
+            with pooled(suite, lambda: config_spec(cfg), workers) as stepped:
+                summary = run_rollouts(
+                    stepped, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
+                    seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
+                    context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size)
             # the file by name: the work dir's path (a .partial) is not where the artifact will live; scenarios the
             # suite skipped (ToolSandbox's RapidAPI ones without a key) are counted beside the episodes
             atomic_write_json(work / "summary.json", {"policy": policy.identity(), **summary.to_dict(),
@@ -461,7 +465,10 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
         spec = TrainSpec(
             model=Factory("tracekit.llm.backbones:load_backbone",
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
-            env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg))
+            env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg),
+            # execution only (in no key); an LLM user's replies are batched in the trainer's process
+            env_workers=0 if OmegaConf.select(cfg, "user.kind", default=None) == "llm"
+            else OmegaConf.select(cfg, "rollout.env_workers", default="auto"))
         launcher = LauncherSettings(**_plain(cfg.launcher))
         logger = ctx.record.logger
 

@@ -165,6 +165,8 @@ def _verdict_info(v: PatchVerdict) -> dict[str, Any]:
 class CodingSuite(EnvSuite):
     """Tasks of one split of a generated :class:`TaskSet` (optionally the first ``limit`` or named ones)."""
 
+    expensive_steps = True  # rollout.env_workers=auto steps its episodes in worker processes (tracekit.envs.pool)
+
     def __init__(self, name: str, taskset: TaskSet, split: str = "test", limit: int | None = None,
                  task_ids: list[str] | None = None, limits: CommandLimits = CommandLimits(),
                  eval_limits: CommandLimits | None = None, reward: RewardKind = "tests", model_name: str = "tracekit"):

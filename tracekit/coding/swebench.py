@@ -217,6 +217,8 @@ def checkout_files(clone: Path, commit: str) -> dict[str, str]:
 class SweBenchSuite(EnvSuite):
     """SWE-bench instances through the coding agent interface; the reward comes from the official harness."""
 
+    expensive_steps = True  # rollout.env_workers=auto steps its episodes in worker processes (tracekit.envs.pool)
+
     def __init__(self, name: str, instances: list[SweBenchInstance], repos_dir: Path, dataset: str,
                  limits: CommandLimits, model_name: str = "tracekit", max_workers: int = 4):
         self.name, self.instances = name, {i.instance_id: i for i in instances}

@@ -548,6 +548,8 @@ class Tau2Suite(EnvSuite):
     ``user.respond`` call (one batched model call for an LLM user).
     """
 
+    expensive_steps = True  # rollout.env_workers=auto steps its episodes in worker processes (tracekit.envs.pool)
+
     def __init__(
         self,
         name: str = "tau2",

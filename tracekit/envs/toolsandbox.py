@@ -270,6 +270,8 @@ class ToolSandboxSuite(EnvSuite):
     "max_tokens", "timeout_s", "max_retries"}`` (an OpenAI-compatible endpoint ToolSandbox's own user calls).
     """
 
+    expensive_steps = True  # rollout.env_workers=auto steps its episodes in worker processes (tracekit.envs.pool)
+
     def __init__(self, name: str = "toolsandbox", domains: list[str] | tuple[str, ...] = ("base",),
                  task_ids: list[str] | None = None, limit: int | None = None, user: dict[str, Any] | None = None,
                  server: ToolSandboxServer | None = None):

@@ -64,6 +64,7 @@ class TrainSpec:
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     chat_format: str = "qwen3"  # the backbone's tool-call syntax (backbone.chat_format)
     engine: dict[str, Any] = field(default_factory=lambda: {"kind": "hf"})  # or {"kind": "vllm", **VLLMSettings}
+    env_workers: Any = 0  # rollout.env_workers: the env Factory's suite stepped in worker processes (tracekit.envs.pool)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +78,7 @@ class TrainSpec:
             grpo=GRPOSettings(**d["grpo"]),
             chat_format=d.get("chat_format", "qwen3"),
             engine=dict(d.get("engine") or {"kind": "hf"}),
+            env_workers=d.get("env_workers", 0),
         )
 
 
@@ -220,16 +222,21 @@ def run_training(
     """Build model, tokenizer and env from the spec's factories and train in this process."""
     dist = dist or Dist()
     factory = _engine_factory(spec, dist)
+    from tracekit.envs.pool import SuiteSpec, pooled
+
     model, tokenizer = spec.model.build()
     suite = spec.env.build()
-    trainer = GRPOTrainer(
-        model, tokenizer, suite, spec.grpo, spec.out_dir, chat_format=spec.chat_format, engine_factory=factory,
-        backend_factory=backend_factory, dist=dist, callbacks=callbacks, device=device,
-    )  # fmt: skip
-    try:
-        return trainer.train()
-    finally:
-        trainer.engine.close()
+    # GRPO rollouts go through the episode core (tracekit.rl.episodes.run_episodes): a pooled suite steps there too
+    with pooled(suite, SuiteSpec(spec.env.target, kwargs=dict(spec.env.kwargs)), spec.env_workers,
+                share=dist.world) as stepped:
+        trainer = GRPOTrainer(
+            model, tokenizer, stepped, spec.grpo, spec.out_dir, chat_format=spec.chat_format, engine_factory=factory,
+            backend_factory=backend_factory, dist=dist, callbacks=callbacks, device=device,
+        )  # fmt: skip
+        try:
+            return trainer.train()
+        finally:
+            trainer.engine.close()
 
 
 def launch_command(spec_path: Path, launcher: LauncherSettings) -> list[str]:
