@@ -51,7 +51,7 @@ def test_tau2_mini_with_the_tiny_model_is_identical_with_and_without_workers(mak
     """The embedded target (tau2_mini) with the tiny random model and the default decoding: trajectories, rewards
     and turn token ids / log-probs equal with env_workers=0 and env_workers=2 (batch smaller than the tasks, so
     slots are refilled)."""
-    from tracekit.envs.pool import config_spec
+    from tracekit.stages import suite_spec
     from tracekit.stages import build_agent, build_suite
 
     cfg = make_cfg("backbone=tiny", "benchmark=tau2_mini", "benchmark.limit=2", "eval.max_steps=3", "agent.batch_size=3")
@@ -59,7 +59,7 @@ def test_tau2_mini_with_the_tiny_model_is_identical_with_and_without_workers(mak
     agent.return_tokens = True
     got = {}
     for workers in (0, 2):
-        with pooled(suite, config_spec(cfg), workers) as stepped:
+        with pooled(suite, suite_spec(cfg), workers) as stepped:
             assert isinstance(stepped, PooledSuite) == (workers > 0)
             s = run_rollouts(stepped, agent, tmp_path / str(workers), samples=1, seed=42, max_steps=3,
                              context_budget=cfg.eval.context_budget, batch_size=3, progress=False)

@@ -150,6 +150,29 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
     return target_of(cfg).build_suite(cfg, split, client_for)
 
 
+def suite_from_config(cfg: dict, split: str | None = None) -> Any:
+    """An environment worker's suite (:mod:`tracekit.envs.pool`) from a plain config dict."""
+    return build_suite(OmegaConf.create(cfg), split)
+
+
+def suite_spec(cfg: DictConfig, split: str | None = None) -> Any:
+    """The picklable spec env workers build ``cfg``'s suite from, or None when its steps call a model in the
+    driver (an LLM user)."""
+    from tracekit.envs.pool import SuiteSpec
+
+    if cfg.user.kind == "llm":
+        log.info("rollout.env_workers: in-process (the LLM user's replies are batched in the driver)")
+        return None
+    plain: dict[str, Any] = {}
+    for k in cfg:  # each top-level group that resolves (a stage's read view masks the ones it does not read)
+        try:
+            node = cfg[k]
+            plain[k] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        except Exception:  # noqa: BLE001
+            continue
+    return SuiteSpec("tracekit.stages:suite_from_config", (plain, split), preload=("tracekit.stages",))
+
+
 def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None,
                 system_prompt_suffix: str | None = None) -> Any:
     if cfg.agent.kind == "gold":  # the target's own wiring check (tau^2: gold actions; ToolSandbox: its milestones)
@@ -172,7 +195,7 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
     key = stable_hash({"reads": _select(cfg, rollout_reads(cfg)), "policy": policy.identity()}, length=20)
 
     def compute(work: Path) -> None:
-        from tracekit.envs.pool import config_spec, pooled
+        from tracekit.envs.pool import pooled
 
         suite = build_suite(cfg)
         try:
@@ -180,7 +203,7 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
             agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
             greedy = cfg.eval.temperature == 0
             workers = OmegaConf.select(cfg, "rollout.env_workers", default="auto")  # execution only: in no key
-            with pooled(suite, lambda: config_spec(cfg), workers) as stepped:
+            with pooled(suite, lambda: suite_spec(cfg), workers) as stepped:
                 summary = run_rollouts(
                     stepped, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
                     seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,

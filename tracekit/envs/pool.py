@@ -79,15 +79,6 @@ class SuiteSpec:
         return obj(*self.args, **self.kwargs)
 
 
-def suite_from_config(cfg: dict, split: str | None = None) -> EnvSuite:
-    """A worker's suite from a plain config dict (:func:`tracekit.stages.build_suite`)."""
-    from omegaconf import OmegaConf
-
-    from tracekit.stages import build_suite
-
-    return build_suite(OmegaConf.create(cfg), split)
-
-
 class WorkerDied(RuntimeError):
     """The environment worker holding an episode exited; the message names its exit and last stderr line."""
 
@@ -583,19 +574,3 @@ def pooled(suite: EnvSuite, spec: SuiteSpec | Callable[[], SuiteSpec | None] | N
     with EnvPool(spec, n) as pool:
         yield PooledSuite(suite, pool)
 
-
-def config_spec(cfg: Any, split: str | None = None) -> SuiteSpec | None:
-    """The spec of ``cfg``'s suite for workers, or None when its steps call a model in the driver (an LLM user)."""
-    from omegaconf import OmegaConf
-
-    if cfg.user.kind == "llm":
-        log.info("rollout.env_workers: in-process (the LLM user's replies are batched in the driver)")
-        return None
-    plain: dict[str, Any] = {}
-    for k in cfg:  # each top-level group that resolves (a stage's read view masks the ones it does not read)
-        try:
-            node = cfg[k]
-            plain[k] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        except Exception:  # noqa: BLE001
-            continue
-    return SuiteSpec("tracekit.envs.pool:suite_from_config", (plain, split), preload=("tracekit.stages",))
