@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tracekit.artifacts import Artifact, StageCache, atomic_write_json, read_json
+from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.pipeline import Pipeline, Stage, StageContext
 from tracekit.types import stable_hash
 
