@@ -55,7 +55,9 @@ class BenchmarkConfig:
     agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
     envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
     difficulty: int = 0  # kind=synthetic: the environments' difficulty level
-    train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned from (no split)
+    train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned in ([]: evaluated)
+    train_split: str | None = None  # kind=toolsandbox: heldout | eval (tracekit/targets/toolsandbox.py); None: heldout
+    train_seed: int | None = None  # kind=toolsandbox: the heldout split's seed (None: 0)
     coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py)
 
 

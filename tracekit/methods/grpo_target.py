@@ -2,7 +2,7 @@
 tasks with the target's own reward (paper Tables 1, 3, 6: "GRPO on Target"; Figure 4b's GRPO curve).
 
 Tasks: the target's training split (:mod:`tracekit.methods.target_train`, ``Target.train_suite``: tau^2's ``train``
-split, the library environments' training seeds, the coding train split, ToolSandbox's ``train_domains``). Budget: by default TRACE's
+split, the library environments' training seeds, the coding train split, ToolSandbox's ``train_split``). Budget: by default TRACE's
 per-capability GRPO runs' episodes summed, read from the ``train`` stage's adapters (this method then takes
 ``train`` as an input), spent as ``ceil(episodes / (G x K))`` iterations of the same G x K; with
 ``baselines.grpo_target.episodes`` set it needs no TRACE run. Checkpoints every
@@ -132,6 +132,8 @@ class GrpoTarget(Method):
         budget = grpo_budget(adapter)
         matched = (f"TRACE's per-capability GRPO runs: {r['matched_episodes']:,} episodes"
                    if r["matched_episodes"] is not None else "episodes set by baselines.grpo_target.episodes")
-        split = target(r["train_suite"]["benchmark"]["kind"]).train_split_label(r["train_suite"])
+        t = target(r["train_suite"]["benchmark"]["kind"])
+        split = t.train_split_label(r["train_suite"])
         return [PolicyRow(LABEL, Policy("adapter", adapter, "adapter"), budget, (
-            f"{r['iterations']} GRPO iterations on the {split}: {budget.episodes:,} episodes ({matched})",))]
+            f"{r['iterations']} GRPO iterations on the {split}: {budget.episodes:,} episodes ({matched})",
+            *t.train_split_notes(r["train_suite"])))]

@@ -27,8 +27,8 @@ PAPER_BACKBONES = ("qwen3_30b_a3b", "qwen3_6_27b")  # Qwen3-30B-A3B-Instruct-250
 PAPER_TARGETS: dict[str, tuple[str, Callable[[DictConfig], bool]]] = {
     "tau2": ("tau^2-Bench airline + retail, base split: 164 tasks (50 + 114)",
              lambda b: b.kind == "tau2" and sorted(b.domains) == ["airline", "retail"] and b.split == "base"),
-    "toolsandbox": ("ToolSandbox: 129 base scenarios",
-                    lambda b: b.kind == "toolsandbox" and list(b.domains) == ["base"]),
+    "toolsandbox": ("ToolSandbox: 129 base scenarios",  # the heldout training split keeps half of them out
+                    lambda b: b.kind == "toolsandbox" and list(b.domains) == ["base"] and b.get("train_split") == "eval"),
     "swebench_verified": ("SWE-bench Verified: 500 instances", lambda b: True),
 }
 
@@ -138,6 +138,12 @@ def describe_target(b: DictConfig) -> str:
         sel += f", {len(b.task_ids)} chosen tasks"
     if b.limit is not None:
         sel += f", first {b.limit} per domain"
+    if b.kind == "toolsandbox":
+        from tracekit.targets.toolsandbox import excluded_from_evaluation, train_seed_of, train_split_of
+
+        held = excluded_from_evaluation(b)
+        sel += (f", {len(held)} base scenarios held out for training (train_split=heldout, seed {train_seed_of(b)})"
+                if held else f", train_split={train_split_of(b)}")
     return f"{b.name} ({sel})"
 
 

@@ -51,6 +51,11 @@ class Target:
         """What the training tasks of ``spec`` (a :meth:`train_spec`) are, for a row's note."""
         return f"{self.kind} training tasks"
 
+    def train_split_notes(self, spec: dict[str, Any]) -> tuple[str, ...]:
+        """Notes a row trained on ``spec`` carries in the table (e.g. ToolSandbox's "trained on the evaluated
+        scenarios"); none by default."""
+        return ()
+
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
         """The training tasks as an EnvSuite, from ``cfg`` (``spec`` as a config) in a fresh process; ``seed_offset``:
