@@ -45,7 +45,7 @@ from tracekit.methods.target_train import (
 )
 from tracekit.pipeline import Stage, derive_seed
 from tracekit.report.figure4 import FIGURE4
-from tracekit.targets import target
+from tracekit.targets import target, target_of
 from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def auto_valset_size(budget: int, n_tasks: int) -> int:
 def training_spec(cfg) -> dict[str, Any]:
     """The spec of the target's training suite GEPA draws its train and validation sets from."""
     s = cfg.baselines.gepa
-    n_envs = max(1, len(cfg.benchmark.envs)) if cfg.benchmark.kind == "synthetic" else 1
+    n_envs = target_of(cfg).train_envs(cfg)  # synthetic targets: the seeds spread over their environments
     return train_suite_spec(cfg, n_per_env=s.train_limit or math.ceil(OFFICIAL_TRAIN_SEEDS / n_envs),
                             limit=s.train_limit)
 

@@ -87,8 +87,9 @@ def grpo_target_report(art: Artifact, ctx) -> None:
     b = r["budget"]
     how = (f"matched to TRACE's per-capability GRPO episodes ({r['matched_episodes']:,})"
            if r["matched_episodes"] is not None else f"baselines.grpo_target.episodes={r['requested_episodes']:,}")
+    split = target(r["train_suite"]["benchmark"]["kind"]).train_split_label(r["train_suite"])
     ctx.record.section("GRPO on target", (
-        f"{r['iterations']} iterations on the target's training tasks, {how}: {b['episodes']:,} episodes, "
+        f"{r['iterations']} iterations on the {split}, {how}: {b['episodes']:,} episodes, "
         f"{b['generated_tokens']:,} generated tokens, {b['optimizer_steps']:,} optimizer steps; "
         f"{len(r['checkpoints'])} checkpoints kept for Figure 4b."))
 

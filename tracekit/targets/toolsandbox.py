@@ -101,6 +101,7 @@ class ToolSandboxTarget(Target):
     summary = "apple/ToolSandbox 165848b (its scenarios, execution context, user simulator and evaluator)"
     metric = "similarity"
     columns = ("perfect", "mean_similarity")
+    paper_tasks = "ToolSandbox: 129 base scenarios"
 
     def validate(self, cfg: DictConfig) -> None:
         from tracekit.config import ConfigError, _check
@@ -229,6 +230,15 @@ class ToolSandboxTarget(Target):
                 task_ids = ev["task_ids"]
         return ToolSandboxSuite(name=f"{b.name}-train", domains=domains, scenarios=list(spec["scenarios"]),
                                 task_ids=task_ids, limit=limit, user=self.user_spec(cfg))
+
+    def is_paper_tasks(self, b: DictConfig) -> bool:
+        return list(b.domains) == ["base"] and train_split_of(b) == "eval"  # heldout keeps half of them out
+
+    def describe_tasks(self, b: DictConfig) -> str:
+        held = excluded_from_evaluation(b)
+        split = (f"{len(held)} base scenarios held out for training (train_split=heldout, seed {train_seed_of(b)})"
+                 if held else f"train_split={train_split_of(b)}")
+        return f"{super().describe_tasks(b)[:-1]}, {split})"
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         return "toolsandbox"
