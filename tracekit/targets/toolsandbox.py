@@ -118,7 +118,6 @@ class ToolSandboxTarget(Target):
         split = train_split_of(b)
         _check(split in TRAIN_SPLITS, "benchmark.train_split", b.get("train_split"),
                f"one of {', '.join(TRAIN_SPLITS)} with benchmark.kind=toolsandbox")
-        _check(isinstance(train_seed_of(b), int), "benchmark.train_seed", b.get("train_seed"), "an integer")
         held = set(excluded_from_evaluation(b))
         chosen = [t for t in (b.task_ids or ()) if base_name(t) in held]
         _check(not chosen, "benchmark.task_ids", chosen, f"scenarios that are evaluated: these are training "
@@ -172,8 +171,6 @@ class ToolSandboxTarget(Target):
 
     def _no_scenarios(self, cfg: DictConfig) -> str | None:
         b = cfg.benchmark
-        if b.limit is not None and b.limit < 1:
-            return f"benchmark.limit={b.limit} leaves no scenario to evaluate (or, with benchmark.train_split=eval, to train on)"
         if not self.evaluated_scenarios(cfg):
             return "no scenario is left to evaluate (benchmark.task_ids, benchmark.train_split)"
         if not self.training_scenarios(cfg):
