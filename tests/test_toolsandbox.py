@@ -69,43 +69,6 @@ def test_toolsandbox_domains_and_split_are_checked(make_cfg, monkeypatch, tmp_pa
         validate(make_cfg("benchmark=toolsandbox", "benchmark.split=test"))
 
 
-def test_toolsandbox_training_rows_train_on_named_variants_never_an_evaluated_domain(make_cfg, monkeypatch, tmp_path):
-    """GRPO on target and GEPA on ToolSandbox (Tables 3, 7, 8 bottom block, Figure 5): it has no split, so they
-    learn from the variants of benchmark.train_domains; none, or an evaluated one, is refused in one line."""
-    from tracekit.methods.target_train import train_suite_spec, training_split_problem
-
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python").write_text("")  # only its presence is checked here
-    monkeypatch.setenv("TOOLSANDBOX_VENV", str(tmp_path))
-    for method in ("grpo_target", "gepa"):
-        cfg = make_cfg("benchmark=toolsandbox", f"eval.methods=[base,{method}]")
-        validate(cfg)
-        assert training_split_problem(cfg) is None and list(cfg.benchmark.train_domains) == ["3_distraction_tools"]
-        spec = train_suite_spec(cfg, limit=4)
-        assert spec["benchmark"]["train_domains"] == ["3_distraction_tools"] and spec["limit"] == 4
-        for bad, says in (("benchmark.train_domains=[]", "name the scenario variants to train on"),
-                          ("benchmark.domains=[base,3_distraction_tools]", "are evaluated")):
-            with pytest.raises(ConfigError, match=says) as e:
-                validate(make_cfg("benchmark=toolsandbox", f"eval.methods=[base,{method}]", bad))
-            assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="benchmark.train_domains"):
-        validate(make_cfg("benchmark=toolsandbox", "benchmark.train_domains=[base]"))
-    # the other targets' training identities do not carry the ToolSandbox key
-    assert "train_domains" not in train_suite_spec(make_cfg("experiment=smoke"))["benchmark"]
-
-
-@needs_venv
-def test_toolsandbox_training_suite_holds_the_variant_scenarios_only(make_cfg):
-    from tracekit.methods.target_train import open_target_train, train_suite_spec
-
-    train = open_target_train(train_suite_spec(make_cfg("benchmark=toolsandbox"), limit=5))
-    try:
-        tasks = train.tasks()
-        assert len(tasks) == 5 and all(t.id.endswith("_3_distraction_tools") for t in tasks), [t.id for t in tasks]
-    finally:
-        train.close()
-
-
 def test_eval_benchmark_evaluates_on_another_target(make_cfg, monkeypatch, tmp_path):
     """Table 8: trained on one target, every policy rolled out on another (its contents in the evaluate key)."""
     from tracekit.config import evaluation_config

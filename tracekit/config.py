@@ -55,7 +55,9 @@ class BenchmarkConfig:
     agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
     envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
     difficulty: int = 0  # kind=synthetic: the environments' difficulty level
-    train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned from (no split)
+    train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned in ([]: evaluated)
+    train_split: str | None = None  # kind=toolsandbox: heldout | eval (tracekit/targets/toolsandbox.py); None: heldout
+    train_seed: int | None = None  # kind=toolsandbox: the heldout split's seed (None: 0)
     coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py)
 
 
@@ -363,6 +365,7 @@ def register_configs() -> None:
 # optional; a list field: each element)
 RANGES: dict[str, str] = {
     "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
+    "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
     "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": ">= 0",
     "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
     "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
@@ -445,6 +448,12 @@ def _toolsandbox_variants() -> tuple[str, ...]:
     return VARIANTS
 
 
+def _toolsandbox_train_splits() -> tuple[str, ...]:
+    from tracekit.targets.toolsandbox import TRAIN_SPLITS
+
+    return tuple(TRAIN_SPLITS)
+
+
 def _stage_names() -> tuple[str, ...]:
     from tracekit.stages import build_pipeline
 
@@ -483,6 +492,7 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "benchmark.kind": ("tau2", "synthetic", "toolsandbox", "coding", "swebench"),  # tracekit.targets (+ issue 20's)
     "benchmark.domains": _target_domains,  # which go with which kind: the target's validate()
     "benchmark.train_domains": _toolsandbox_variants,  # ToolSandbox's variants learned from (the target's validate())
+    "benchmark.train_split": _toolsandbox_train_splits,  # ToolSandbox's training split (tracekit/targets/toolsandbox.py)
     "benchmark.split": ("train", "test", "base"),
     "benchmark.policy": ("full",),
     "benchmark.envs": _library_names,

@@ -54,16 +54,16 @@ CHOICES = {"benchmark.coding.modifiers": modifier_names}
 
 
 def check(bench: Any) -> list[tuple[str, Any, str]]:
-    """(key, value, what it must be) for each invalid cross-field coding setting (``validate()`` raises on the
-    first; the per-value ranges and choices are in :data:`RANGES` / :data:`CHOICES`)."""
-    if bench.kind in ("coding", "swebench") and bench.split not in SPLITS:
+    """(key, value, what it must be) for each invalid cross-field setting of a coding target's benchmark (kind
+    coding or swebench: the coding targets' ``validate()`` raises on the first; the per-value ranges and choices
+    are in :data:`RANGES` / :data:`CHOICES`)."""
+    if bench.split not in SPLITS:
         return [("benchmark.split", bench.split, f"one of {', '.join(SPLITS)} with benchmark.kind={bench.kind}")]
-    if bench.kind in ("coding", "swebench"):  # the agent's commands run only in the jail, never uncontained
-        from tracekit.coding.sandbox import jail_problem
+    from tracekit.coding.sandbox import jail_problem  # the agent's commands run only in the jail, never uncontained
 
-        problem = jail_problem()
-        if problem:
-            return [("benchmark.kind", bench.kind, f"a target whose sandbox can start on this machine ({problem})")]
+    problem = jail_problem()
+    if problem:
+        return [("benchmark.kind", bench.kind, f"a target whose sandbox can start on this machine ({problem})")]
     return []
 
 
@@ -89,15 +89,12 @@ def command_limits(bench: Any):
 
 def build_suite(bench: Any, cache_dir: str | Path, split: str | None = None, reward: str = "tests",
                 limit: Any = "config") -> Any:
-    """The EnvSuite of a ``benchmark`` node of kind coding (tasks generated once into ``cache_dir``) or swebench.
-    Refuses (JailUnavailable, one line) where the sandbox cannot start, before any work."""
+    """The EnvSuite of a ``benchmark`` node of kind coding (tasks generated once into ``cache_dir``; SWE-bench
+    Verified's: :class:`tracekit.targets.coding.SweBenchTarget`). Refuses (JailUnavailable, one line) where the
+    sandbox cannot start, before any work."""
     from tracekit.coding.sandbox import require_jail
 
     require_jail()
-    if bench.kind == "swebench":
-        from tracekit.coding.swebench import SweBenchSuite
-
-        return SweBenchSuite.from_config(bench, command_limits(bench))
     from tracekit.coding.sandbox import CommandLimits
     from tracekit.coding.suite import CodingSuite
     from tracekit.coding.tasks import load_or_generate

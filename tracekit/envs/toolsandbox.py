@@ -268,18 +268,24 @@ class ToolSandboxSuite(EnvSuite):
 
     ``user``: ``{"kind": "scripted"}`` or ``{"kind": "llm", "base_url", "model", "api_key_env", "temperature",
     "max_tokens", "timeout_s", "max_retries"}`` (an OpenAI-compatible endpoint ToolSandbox's own user calls).
+    ``scenarios`` / ``exclude``: base scenario names to keep / to drop, in every domain (a variant by the base
+    scenario it is made from), before ``task_ids`` and ``limit`` (the target's training split,
+    :mod:`tracekit.targets.toolsandbox`).
     """
 
     expensive_steps = True  # rollout.env_workers=auto steps its episodes in worker processes (tracekit.envs.pool)
 
     def __init__(self, name: str = "toolsandbox", domains: list[str] | tuple[str, ...] = ("base",),
                  task_ids: list[str] | None = None, limit: int | None = None, user: dict[str, Any] | None = None,
-                 server: ToolSandboxServer | None = None):
+                 server: ToolSandboxServer | None = None, scenarios: list[str] | None = None,
+                 exclude: list[str] | None = None):
         bad = [d for d in domains if d not in DOMAINS]
         if bad or not domains:
             raise ValueError(f"ToolSandbox domains {list(domains)}: each must be one of {', '.join(DOMAINS)}")
         self.name, self.domains = name, tuple(domains)
         self.task_ids, self.limit = (list(task_ids) if task_ids else None), limit
+        self.keep = None if scenarios is None else frozenset(scenarios)
+        self.exclude = frozenset(exclude or ())
         self.user = dict(user or {"kind": "scripted"})
         self.server = server or ToolSandboxServer()
         self.restored = 0
@@ -300,7 +306,8 @@ class ToolSandboxSuite(EnvSuite):
     def tasks(self) -> list[Task]:
         if self._tasks is not None:
             return list(self._tasks)
-        rows = self.scenarios()
+        rows = [r for r in self.scenarios() if (self.keep is None or base_name(r) in self.keep)
+                and base_name(r) not in self.exclude]
         if self.task_ids is not None:
             known = {r["name"] for r in rows}
             unknown = [t for t in self.task_ids if t not in known]
@@ -354,6 +361,15 @@ def domain_of(row: dict[str, Any]) -> str:
     if row["base"]:
         return "base"
     return next((v for v in sorted(VARIANTS, key=len, reverse=True) if row["name"].endswith("_" + v)), "base")
+
+
+def base_name(row: dict[str, Any] | str) -> str:
+    """The base scenario a scenario is made from (itself for a base one): its name less the variant suffix."""
+    name = row if isinstance(row, str) else row["name"]
+    if not isinstance(row, str) and row["base"]:
+        return name
+    v = next((v for v in sorted(VARIANTS, key=len, reverse=True) if name.endswith("_" + v)), None)
+    return name[: -len(v) - 1] if v else name
 
 
 def replay_inputs(traj: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

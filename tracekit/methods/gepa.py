@@ -45,6 +45,7 @@ from tracekit.methods.target_train import (
 )
 from tracekit.pipeline import Stage, derive_seed
 from tracekit.report.figure4 import FIGURE4
+from tracekit.targets import target, target_of
 from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
@@ -273,14 +274,19 @@ def auto_valset_size(budget: int, n_tasks: int) -> int:
     return max(1, min(n_tasks // 2 if n_tasks > 1 else 1, budget // 10))
 
 
+def training_spec(cfg) -> dict[str, Any]:
+    """The spec of the target's training suite GEPA draws its train and validation sets from."""
+    s = cfg.baselines.gepa
+    n_envs = target_of(cfg).train_envs(cfg)  # synthetic targets: the seeds spread over their environments
+    return train_suite_spec(cfg, n_per_env=s.train_limit or math.ceil(OFFICIAL_TRAIN_SEEDS / n_envs),
+                            limit=s.train_limit)
+
+
 def training_tasks(cfg) -> tuple[Any, list[Any]]:
     """The target's training suite for GEPA and its tasks."""
     from tracekit.methods.target_train import open_target_train
 
-    s = cfg.baselines.gepa
-    n_envs = max(1, len(cfg.benchmark.envs)) if cfg.benchmark.kind == "synthetic" else 1
-    suite = open_target_train(train_suite_spec(cfg, n_per_env=s.train_limit or math.ceil(OFFICIAL_TRAIN_SEEDS / n_envs),
-                                               limit=s.train_limit))
+    suite = open_target_train(training_spec(cfg))
     return suite, suite.tasks()
 
 
@@ -383,7 +389,8 @@ def gepa_stage(ctx) -> None:
     budget = s.max_metric_calls if s.max_metric_calls is not None else matched
     art = gepa_run(ctx, caps, budget)
     atomic_write_json(ctx.work_dir / RESULT, {"run": {**art.ref(), "content_key": art.content_key},
-                                             "matched_episodes": matched, "budget": budget})
+                                             "matched_episodes": matched, "budget": budget,
+                                             "train_suite": training_spec(ctx.cfg)})
 
 
 def gepa_report(art: Artifact, ctx) -> None:
@@ -415,6 +422,10 @@ class Gepa(Method):
         r = read_json(ctx.inputs["gepa"].resolve(p["run"]).path / RUN_RESULT)
         matched = (f"TRACE's per-capability GRPO runs: {p['matched_episodes']:,}" if p["matched_episodes"] is not None
                    else "set by baselines.gepa.max_metric_calls")
+        spec = p.get("train_suite")  # absent from a gepa.json written before it was recorded
+        split = target(spec["benchmark"]["kind"]) if spec else None
         return [PolicyRow(LABEL, Policy("prompt", system_prompt_suffix=r["system_prompt_suffix"]), run_budget(r), (
             f"best of {len(r['candidates'])} candidates ({len(r['proposals'])} proposals): {r['episodes']:,} of "
-            f"{r['budget']:,} training episodes ({matched})",))]
+            f"{r['budget']:,} training episodes ({matched})"
+            + (f" on the {split.train_split_label(spec)}" if split else ""),
+            *(split.train_split_notes(spec) if split else ())))]

@@ -2,7 +2,7 @@
 tasks with the target's own reward (paper Tables 1, 3, 6: "GRPO on Target"; Figure 4b's GRPO curve).
 
 Tasks: the target's training split (:mod:`tracekit.methods.target_train`, ``Target.train_suite``: tau^2's ``train``
-split, the library environments' training seeds, the coding train split, ToolSandbox's ``train_domains``). Budget: by default TRACE's
+split, the library environments' training seeds, the coding train split, ToolSandbox's ``train_split``). Budget: by default TRACE's
 per-capability GRPO runs' episodes summed, read from the ``train`` stage's adapters (this method then takes
 ``train`` as an input), spent as ``ceil(episodes / (G x K))`` iterations of the same G x K; with
 ``baselines.grpo_target.episodes`` set it needs no TRACE run. Checkpoints every
@@ -87,8 +87,9 @@ def grpo_target_report(art: Artifact, ctx) -> None:
     b = r["budget"]
     how = (f"matched to TRACE's per-capability GRPO episodes ({r['matched_episodes']:,})"
            if r["matched_episodes"] is not None else f"baselines.grpo_target.episodes={r['requested_episodes']:,}")
+    split = target(r["train_suite"]["benchmark"]["kind"]).train_split_label(r["train_suite"])
     ctx.record.section("GRPO on target", (
-        f"{r['iterations']} iterations on the target's training tasks, {how}: {b['episodes']:,} episodes, "
+        f"{r['iterations']} iterations on the {split}, {how}: {b['episodes']:,} episodes, "
         f"{b['generated_tokens']:,} generated tokens, {b['optimizer_steps']:,} optimizer steps; "
         f"{len(r['checkpoints'])} checkpoints kept for Figure 4b."))
 
@@ -132,6 +133,8 @@ class GrpoTarget(Method):
         budget = grpo_budget(adapter)
         matched = (f"TRACE's per-capability GRPO runs: {r['matched_episodes']:,} episodes"
                    if r["matched_episodes"] is not None else "episodes set by baselines.grpo_target.episodes")
-        split = target(r["train_suite"]["benchmark"]["kind"]).train_split_label(r["train_suite"])
+        t = target(r["train_suite"]["benchmark"]["kind"])
+        split = t.train_split_label(r["train_suite"])
         return [PolicyRow(LABEL, Policy("adapter", adapter, "adapter"), budget, (
-            f"{r['iterations']} GRPO iterations on the {split}: {budget.episodes:,} episodes ({matched})",))]
+            f"{r['iterations']} GRPO iterations on the {split}: {budget.episodes:,} episodes ({matched})",
+            *t.train_split_notes(r["train_suite"])))]

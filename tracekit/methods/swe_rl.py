@@ -122,10 +122,14 @@ class SweRl(Method):
     def validate(self, cfg):
         from tracekit.config import ConfigError
         from tracekit.methods.target_train import refuse_without_training_split
+        from tracekit.targets import target_of
 
-        if cfg.benchmark.kind not in ("coding", "swebench"):
+        if not target_of(cfg).patch_reward:
+            from tracekit.targets import kinds, target
+
+            with_patches = " or ".join(k for k in kinds() if target(k).patch_reward)
             raise ConfigError(f"swe_rl trains with SWE-RL's patch-similarity reward on the coding target's training "
-                              f"split (gold patches): benchmark.kind=coding or swebench (got {cfg.benchmark.kind}, "
+                              f"split (gold patches): benchmark.kind={with_patches} (got {cfg.benchmark.kind}, "
                               f"{cfg.benchmark.name})")
         refuse_without_training_split(cfg, self.name)
 

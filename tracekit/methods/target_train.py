@@ -9,7 +9,9 @@ Training tasks (never the evaluated ones) are the target's (``tracekit.targets``
   training seeds (``tracekit.stages.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
   (``LibraryTargetSuite``'s 10,000,000 on) and from validation's ``0..n``;
 - ``coding`` / ``swebench``: the local SWE-smith-style train split;
-- ``toolsandbox``: the scenario variants of ``benchmark.train_domains`` (ToolSandbox has no split).
+- ``toolsandbox``: the scenarios of ``benchmark.train_split`` (``heldout``: a seeded category-stratified half of the
+  base scenarios that no row evaluates; ``eval``: the evaluated ones, the rows marked so), in
+  ``benchmark.train_domains`` (default the evaluated domains).
 
 A target without one says why (:func:`training_split_problem`), and the methods that need one refuse in
 ``validate()``.
@@ -60,8 +62,9 @@ def train_suite_spec(cfg: DictConfig, n_per_env: int | None = None, limit: int |
     endpoint, and the target's size knob (``Target.train_spec``: ``limit``, first n training tasks per domain;
     ``n_per_env`` for synthetic targets, instances per environment)."""
     bench = {k: v for k, v in _plain(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
-    if not bench.get("train_domains"):  # a ToolSandbox key: absent elsewhere, so other targets' identities stay
-        bench.pop("train_domains", None)
+    for key in ("train_domains", "train_split", "train_seed"):  # ToolSandbox keys: absent elsewhere, so other
+        if bench.get(key) in (None, []):  # targets' identities stay (ToolSandbox's own train_spec sets its split)
+            bench.pop(key, None)
     spec: dict[str, Any] = {"benchmark": bench, "user": _plain(cfg.user)}
     if cfg.user.kind == "llm":
         spec["llm"] = {"endpoints": {cfg.user.endpoint: _plain(cfg.llm.endpoints[cfg.user.endpoint])}}

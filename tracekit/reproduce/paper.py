@@ -23,16 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 
 PAPER_BACKBONES = ("qwen3_30b_a3b", "qwen3_6_27b")  # Qwen3-30B-A3B-Instruct-2507, Qwen3.6-27B (Table 1)
 
-# target name -> (its full task set in the paper, a check that the benchmark config selects exactly that set)
-PAPER_TARGETS: dict[str, tuple[str, Callable[[DictConfig], bool]]] = {
-    "tau2": ("tau^2-Bench airline + retail, base split: 164 tasks (50 + 114)",
-             lambda b: b.kind == "tau2" and sorted(b.domains) == ["airline", "retail"] and b.split == "base"),
-    "toolsandbox": ("ToolSandbox: 129 base scenarios",
-                    lambda b: b.kind == "toolsandbox" and list(b.domains) == ["base"]),
-    "swebench_verified": ("SWE-bench Verified: 500 instances", lambda b: True),
-}
-
-
 @dataclass(frozen=True)
 class Reference:
     key: str  # a config key (or a derived quantity's name)
@@ -63,7 +53,10 @@ def _eval_mode(cfg: DictConfig) -> str:
 
 
 def _is_tau2(cfg: DictConfig) -> bool:
-    return str(cfg.benchmark.name).startswith("tau2")
+    """tau^2's LLM user simulator is the paper's for this run (the target says: tau^2 and its stand-ins)."""
+    from tracekit.targets import target_of
+
+    return target_of(cfg).paper_user_applies(cfg)
 
 
 REFERENCES: tuple[Reference, ...] = (
@@ -130,29 +123,26 @@ def _fmt(v: Any) -> str:
 
 
 def describe_target(b: DictConfig) -> str:
-    """What the benchmark config runs: its name, and how many tasks of what."""
-    if b.kind == "synthetic":
-        return f"{b.name} (synthetic: {len(b.envs)} library environments x {b.limit} held-out instances)"
-    sel = "+".join(b.domains) + f", {b.split} split"
-    if b.task_ids:
-        sel += f", {len(b.task_ids)} chosen tasks"
-    if b.limit is not None:
-        sel += f", first {b.limit} per domain"
-    return f"{b.name} ({sel})"
+    """What the benchmark config runs: its name, and how many tasks of what (the target's
+    :meth:`~tracekit.targets.base.Target.describe_tasks`)."""
+    from tracekit.targets import target
+
+    return target(b.kind).describe_tasks(b)
 
 
 def target_cut(cfg: DictConfig) -> Cut | None:
-    """The benchmark against the paper's task set of its target; None when it is the full set."""
+    """The benchmark against the paper's task set of its target (``Target.paper_tasks_of``); None when it is the
+    full set, or when the paper does not use the target (nothing to compare its tasks with)."""
+    from tracekit.targets import target
+
     b = cfg.benchmark
-    name = str(b.name)
-    if name in PAPER_TARGETS:
-        full, check = PAPER_TARGETS[name]
-        if check(b) and b.limit is None and not b.task_ids:
-            return None
-        return Cut("benchmark", describe_target(b), full, True)
-    if name.startswith("tau2"):  # one domain, or the synthetic tau2_mini
-        return Cut("benchmark", describe_target(b), PAPER_TARGETS["tau2"][0], True)
-    return None  # a target the paper does not use: nothing to compare its tasks with
+    t = target(b.kind)
+    full = t.paper_tasks_of(b)
+    if full is None:
+        return None
+    if t.is_paper_tasks(b) and b.limit is None and not b.task_ids:
+        return None
+    return Cut("benchmark", t.describe_tasks(b), full, True)
 
 
 def cuts(cfg: DictConfig) -> list[Cut]:

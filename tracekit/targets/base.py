@@ -13,7 +13,11 @@ A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets i
 - ``training_split_problem(cfg)`` / ``train_spec(...)`` / ``train_suite(...)``: the tasks the baselines that learn
   from the target train on (never the evaluated ones), through :mod:`tracekit.methods.target_train`;
 - ``metric`` and ``columns`` (the :data:`tracekit.reproduce.spec.COLUMNS` its tables use) and
-  ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table.
+  ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table;
+- ``paper_tasks_of(b)`` / ``is_paper_tasks(b)`` / ``describe_tasks(b)`` / ``paper_user_applies(cfg)``: the
+  paper's task set of the target and what a benchmark config runs against it (:mod:`tracekit.reproduce.paper`);
+- ``patch_reward`` (its training tasks carry gold patches: ``swe_rl``) and ``train_envs(cfg)`` (how many
+  environments its training instances are spread over: GEPA's official training seeds are split over them).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class Target:
     summary: str = ""
     metric: str = "pass_rate"
     columns: tuple[str, ...] = ("overall",)
+    paper_tasks: str | None = None  # the paper's full task set of this target (None: the paper does not use it)
+    patch_reward: bool = False  # training tasks with gold patches (SWE-RL's patch-similarity reward)
 
     def validate(self, cfg: DictConfig) -> None:
         """Raise ConfigError (one line) for a config this target cannot run."""
@@ -51,11 +57,41 @@ class Target:
         """What the training tasks of ``spec`` (a :meth:`train_spec`) are, for a row's note."""
         return f"{self.kind} training tasks"
 
+    def train_split_notes(self, spec: dict[str, Any]) -> tuple[str, ...]:
+        """Notes a row trained on ``spec`` carries in the table (e.g. ToolSandbox's "trained on the evaluated
+        scenarios"); none by default."""
+        return ()
+
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
         """The training tasks as an EnvSuite, from ``cfg`` (``spec`` as a config) in a fresh process; ``seed_offset``:
         where generated training instances start (``tracekit.stages.TRAIN_SEED_OFFSET``)."""
         raise NotImplementedError(f"target {self.kind}: {self.training_split_problem(cfg)}")
+
+    def train_envs(self, cfg: DictConfig) -> int:
+        """How many environments the training instances are spread over (GEPA splits its training seeds over them)."""
+        return 1
+
+    def paper_tasks_of(self, b: DictConfig) -> str | None:
+        """The paper's task set a run of benchmark config ``b`` is compared with (None: nothing to compare with)."""
+        return self.paper_tasks
+
+    def is_paper_tasks(self, b: DictConfig) -> bool:
+        """Whether ``b`` selects exactly :meth:`paper_tasks_of` (before ``limit`` and ``task_ids``)."""
+        return False
+
+    def describe_tasks(self, b: DictConfig) -> str:
+        """What the benchmark config runs: its name, and how many tasks of what."""
+        sel = "+".join(b.domains) + f", {b.split} split"
+        if b.task_ids:
+            sel += f", {len(b.task_ids)} chosen tasks"
+        if b.limit is not None:
+            sel += f", first {b.limit} per domain"
+        return f"{b.name} ({sel})"
+
+    def paper_user_applies(self, cfg: DictConfig) -> bool:
+        """Whether the paper's user simulator (tau^2's LLM user) is a reference value for this run."""
+        return False
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         raise NotImplementedError(f"target {self.kind}: no synthesis interface is known")

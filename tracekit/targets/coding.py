@@ -18,6 +18,7 @@ class CodingTarget(Target):
     summary = "bugs injected by swesmith's procedural modifiers into an installed package, checked by its own tests"
     metric = "pass_at_1"
     columns = ("pass_at_1",)
+    patch_reward = True  # the tasks carry their gold patches (SWE-RL's reward)
 
     def validate(self, cfg: DictConfig) -> None:
         from tracekit.coding.config import check
@@ -76,3 +77,17 @@ class CodingTarget(Target):
 class SweBenchTarget(CodingTarget):
     kind = "swebench"
     summary = "SWE-bench Verified (its instances; the official swebench harness in Docker scores the predictions)"
+    paper_tasks = "SWE-bench Verified: 500 instances"
+
+    def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
+        """SWE-bench Verified's instances (its training tasks: the local coding split, :meth:`train_spec`).
+        Refuses (JailUnavailable, one line) where the sandbox cannot start, before any work."""
+        from tracekit.coding.config import command_limits
+        from tracekit.coding.sandbox import require_jail
+        from tracekit.coding.swebench import SweBenchSuite
+
+        require_jail()
+        return SweBenchSuite.from_config(cfg.benchmark, command_limits(cfg.benchmark))
+
+    def is_paper_tasks(self, b: DictConfig) -> bool:
+        return True  # every instance (a cut: limit / task_ids)

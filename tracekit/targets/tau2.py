@@ -28,6 +28,7 @@ class Tau2Target(Target):
     summary = "tau^2-bench airline/retail (tau^2's evaluator)"
     metric = "pass_rate"
     columns = ("airline", "retail", "overall")
+    paper_tasks = "tau^2-Bench airline + retail, base split: 164 tasks (50 + 114)"
 
     def validate(self, cfg: DictConfig) -> None:
         from tracekit.config import _check
@@ -67,6 +68,12 @@ class Tau2Target(Target):
         b = cfg.benchmark
         return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
                          user=build_user(cfg, client_for), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
+
+    def is_paper_tasks(self, b: DictConfig) -> bool:
+        return sorted(b.domains) == ["airline", "retail"] and b.split == "base"
+
+    def paper_user_applies(self, cfg: DictConfig) -> bool:
+        return True  # tau^2's LLM user simulator
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         domains = list(cfg.benchmark.domains)

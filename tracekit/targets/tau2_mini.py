@@ -61,6 +61,24 @@ class LibraryTarget(Target):
                                   n_per_env=int(spec["n_per_env"]), seed_offset=seed_offset,
                                   user=cfg.user.kind, **llm_user)
 
+    def train_envs(self, cfg: DictConfig) -> int:
+        return max(1, len(cfg.benchmark.envs))
+
+    def _tau2_family(self, b: DictConfig) -> bool:
+        from tracekit.synthesis.library import library_env
+
+        return bool(b.envs) and library_env(b.envs[0]).target.startswith("tau2")
+
+    def paper_tasks_of(self, b: DictConfig) -> str | None:
+        """A stand-in for tau^2-Bench (``tau2_mini``): compared with (a cut of) tau^2's task set."""
+        return Tau2Target.paper_tasks if self._tau2_family(b) else None
+
+    def describe_tasks(self, b: DictConfig) -> str:
+        return f"{b.name} (synthetic: {len(b.envs)} library environments x {b.limit} held-out instances)"
+
+    def paper_user_applies(self, cfg: DictConfig) -> bool:
+        return self._tau2_family(cfg.benchmark)  # tau^2's environments: tau^2's LLM user is the paper's
+
     def synthesis_family(self, cfg: DictConfig) -> str:
         from tracekit.synthesis.library import library_env
 

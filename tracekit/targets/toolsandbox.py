@@ -4,20 +4,96 @@ its similarity in [0, 1], success is similarity 1.0; the metrics are the mean si
 (App. F, eqs. 3-4) over the 129 base scenarios (``benchmark.domains: [base]``), the named variants as further
 domains (columns), and a per-category breakdown (ToolSandbox's scenario categories).
 
-Training split: ToolSandbox has none, and the paper's in-domain rows (Table 8's bottom block, Figure 5) name
-none. The baselines that learn from the target train on ``benchmark.train_domains``: named variants of the
-scenarios (default ``3_distraction_tools``: each scenario with three distraction tools added), never an evaluated
-domain. They are the evaluated tasks with another tool set, so such a row measures in-domain training, as the
-paper's does, not generalization to unseen tasks."""
+Training split (``benchmark.train_split``; ToolSandbox has none of its own, the target owns this one): the
+baselines that learn from the target (GRPO on target, GEPA: Tables 3, 7, 8's bottom block, Figure 5) train on
+
+- ``heldout`` (the default): a seeded split (``benchmark.train_seed``) of the 129 base scenarios, stratified by
+  ToolSandbox category (each stratum: the scenarios of one category set, split in half, the odd ones out
+  rounded by the seed): the training half is never evaluated (every row's evaluation drops it, in every domain),
+  so such a row measures generalization to unseen scenarios of the same kinds;
+- ``eval``: the evaluated scenarios themselves (as the paper's in-domain rows appear to: they score out of 129),
+  marked "trained on the evaluated scenarios" in the table.
+
+Either is played in ``benchmark.train_domains`` (default: the evaluated domains; e.g. ``[3_distraction_tools]``
+trains on the same scenarios with three distraction tools added). The split is computed from a catalog of the
+base scenarios (``data/toolsandbox_scenarios.json``, ``scripts/extract_toolsandbox_scenarios.py``), so it is
+known at config time without ToolSandbox's environment; its name, seed and training scenarios are in the training
+suite's spec (the cache key of what trains on it) and the split name and seed in the evaluation's (``benchmark``).
+"""
 
 from __future__ import annotations
 
+import json
+import random
 from collections import defaultdict
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from tracekit.targets.base import ClientFor, Target
+
+CATALOG = Path(__file__).with_name("data") / "toolsandbox_scenarios.json"
+BASE_CATEGORY = "NO_DISTRACTION_TOOLS"  # every base scenario's: no stratum of its own
+TRAIN_SPLITS = {
+    "heldout": "a seeded category-stratified half of the base scenarios, never evaluated",
+    "eval": "the evaluated scenarios (trained on the evaluated scenarios)",
+}
+DEFAULT_TRAIN_SPLIT = "heldout"
+HELDOUT_TRAIN_FRACTION = 0.5
+EVAL_NOTE = "trained on the evaluated scenarios"
+
+
+@cache
+def catalog() -> tuple[dict[str, Any], ...]:
+    """ToolSandbox's base scenarios: name, categories, the tools of it that call RapidAPI (the server's order)."""
+    return tuple(json.loads(CATALOG.read_text())["scenarios"])
+
+
+def stratum(row: dict[str, Any]) -> tuple[str, ...]:
+    """A scenario's stratum: its ToolSandbox categories (the base scenarios' common one left out)."""
+    return tuple(sorted(c for c in row["categories"] if c != BASE_CATEGORY))
+
+
+def heldout_train_scenarios(seed: int, fraction: float = HELDOUT_TRAIN_FRACTION,
+                            rows: tuple[dict[str, Any], ...] | None = None) -> list[str]:
+    """The training scenarios of the ``heldout`` split (sorted names): in each stratum a seeded ``fraction``,
+    rounded down, and the leftover scenarios (the total rounded to ``fraction`` of all) given to the strata with
+    the largest remainders, ties broken by the seed. Deterministic in ``seed``; a stratum of one may go either way."""
+    from tracekit.types import stable_hash
+
+    rows = catalog() if rows is None else rows
+    strata: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for r in rows:
+        strata[stratum(r)].append(r["name"])
+    keys = sorted(strata)
+    quota = {k: int(len(strata[k]) * fraction) for k in keys}
+    extra = round(len(rows) * fraction) - sum(quota.values())
+    tie = random.Random(int(stable_hash([seed, "toolsandbox-train-split", "strata"]), 16))
+    order = sorted(keys, key=lambda k: (-(len(strata[k]) * fraction - quota[k]), tie.random()))
+    for k in order[:max(0, extra)]:
+        quota[k] += 1
+    picked: list[str] = []
+    for k in keys:
+        names = sorted(strata[k])
+        random.Random(int(stable_hash([seed, "toolsandbox-train-split", list(k)]), 16)).shuffle(names)
+        picked += names[:quota[k]]
+    return sorted(picked)
+
+
+def train_split_of(b: DictConfig | dict[str, Any]) -> str:
+    return b.get("train_split") or DEFAULT_TRAIN_SPLIT
+
+
+def train_seed_of(b: DictConfig | dict[str, Any]) -> int:
+    seed = b.get("train_seed")
+    return 0 if seed is None else int(seed)
+
+
+def excluded_from_evaluation(b: DictConfig | dict[str, Any]) -> list[str]:
+    """The base scenarios no row evaluates: the ``heldout`` split's training ones (none for ``eval``)."""
+    return heldout_train_scenarios(train_seed_of(b)) if train_split_of(b) == "heldout" else []
 
 
 class ToolSandboxTarget(Target):
@@ -25,18 +101,30 @@ class ToolSandboxTarget(Target):
     summary = "apple/ToolSandbox 165848b (its scenarios, execution context, user simulator and evaluator)"
     metric = "similarity"
     columns = ("perfect", "mean_similarity")
+    paper_tasks = "ToolSandbox: 129 base scenarios"
 
     def validate(self, cfg: DictConfig) -> None:
         from tracekit.config import ConfigError, _check
-        from tracekit.envs.toolsandbox import DOMAINS, missing_environment
+        from tracekit.envs.toolsandbox import DOMAINS, base_name, missing_environment
 
         b = cfg.benchmark
         _check(len(b.domains) > 0 and all(d in DOMAINS for d in b.domains), "benchmark.domains", list(b.domains),
                f"a non-empty list of ToolSandbox domains ({', '.join(DOMAINS)}) with benchmark.kind=toolsandbox")
         _check(b.split == "base", "benchmark.split", b.split, "base with benchmark.kind=toolsandbox (ToolSandbox has "
-               "no train/test split)")
+               "no train/test split; benchmark.train_split picks the training scenarios)")
         _check(all(d in DOMAINS and d != "base" for d in b.train_domains), "benchmark.train_domains",
-               list(b.train_domains), f"ToolSandbox variant domains ({', '.join(DOMAINS[1:])})")
+               list(b.train_domains), f"ToolSandbox variant domains ({', '.join(DOMAINS[1:])}), or [] for the "
+               "evaluated domains")
+        split = train_split_of(b)
+        _check(split in TRAIN_SPLITS, "benchmark.train_split", b.get("train_split"),
+               f"one of {', '.join(TRAIN_SPLITS)} with benchmark.kind=toolsandbox")
+        held = set(excluded_from_evaluation(b))
+        chosen = [t for t in (b.task_ids or ()) if base_name(t) in held]
+        _check(not chosen, "benchmark.task_ids", chosen, f"scenarios that are evaluated: these are training "
+               f"scenarios of benchmark.train_split=heldout (benchmark.train_seed={train_seed_of(b)})")
+        problem = self._no_scenarios(cfg)
+        if problem:
+            raise ConfigError(f"benchmark={b.name}: {problem}")
         if cfg.user.kind == "llm":
             ep = cfg.llm.endpoints.get(cfg.user.endpoint)
             _check(ep is None or ep.kind == "openai", f"llm.endpoints.{cfg.user.endpoint}.kind",
@@ -62,26 +150,92 @@ class ToolSandboxTarget(Target):
             raise ValueError(f"ToolSandbox has no {split!r} split (its scenarios are one evaluation set)")
         b = cfg.benchmark
         return ToolSandboxSuite(name=b.name, domains=list(b.domains), task_ids=list(b.task_ids) if b.task_ids else None,
-                                limit=b.limit, user=self.user_spec(cfg))
+                                limit=b.limit, user=self.user_spec(cfg), exclude=excluded_from_evaluation(b) or None)
+
+    def evaluated_scenarios(self, cfg: DictConfig) -> list[str]:
+        """The base scenarios the evaluation plays (before RapidAPI skipping and ``limit``), from the catalog."""
+        from tracekit.envs.toolsandbox import base_name
+
+        b = cfg.benchmark
+        held = set(excluded_from_evaluation(b))
+        chosen = {base_name(t) for t in b.task_ids} if b.task_ids else None
+        return [r["name"] for r in catalog() if r["name"] not in held and (chosen is None or r["name"] in chosen)]
+
+    def training_scenarios(self, cfg: DictConfig) -> list[str]:
+        """The base scenarios the baselines that learn from the target train on (before RapidAPI skipping and
+        ``limit``): the ``heldout`` split's training half, or, for ``eval``, the evaluated ones."""
+        b = cfg.benchmark
+        if train_split_of(b) == "heldout":
+            return heldout_train_scenarios(train_seed_of(b))
+        return self.evaluated_scenarios(cfg)
+
+    def _no_scenarios(self, cfg: DictConfig) -> str | None:
+        b = cfg.benchmark
+        if not self.evaluated_scenarios(cfg):
+            return "no scenario is left to evaluate (benchmark.task_ids, benchmark.train_split)"
+        if not self.training_scenarios(cfg):
+            return f"benchmark.train_split={train_split_of(b)} leaves no training scenario"
+        return None
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
         b = cfg.benchmark
-        if not b.train_domains:
-            return ("ToolSandbox has no train/test split: name the scenario variants to train on, e.g. "
-                    "benchmark.train_domains=[3_distraction_tools]")
-        evaluated = sorted(set(b.train_domains) & set(b.domains))
-        return f"benchmark.train_domains {evaluated} are evaluated (benchmark.domains)" if evaluated else None
+        if train_split_of(b) not in TRAIN_SPLITS:
+            return f"benchmark.train_split={b.get('train_split')!r} is none of {', '.join(TRAIN_SPLITS)}"
+        return self._no_scenarios(cfg)
+
+    def train_spec(self, cfg: DictConfig, spec: dict[str, Any], n_per_env: int | None, limit: int | None) -> dict[str, Any]:
+        """The split's name and seed (in ``spec['benchmark']``) and its training scenarios by name (``scenarios``);
+        for ``eval`` also the evaluated selection (``task_ids``, the evaluation's ``limit``) it repeats."""
+        b = cfg.benchmark
+        bench = {**spec["benchmark"], "train_split": train_split_of(b), "train_seed": train_seed_of(b)}
+        out = {**spec, "benchmark": bench, "limit": limit, "scenarios": self.training_scenarios(cfg)}
+        if bench["train_split"] == "eval":
+            out["evaluated"] = {"task_ids": list(b.task_ids) if b.task_ids else None, "limit": b.limit}
+        return out
 
     def train_split_label(self, spec: dict[str, Any]) -> str:
-        return f"ToolSandbox variants {', '.join(spec['benchmark']['train_domains'])} (the evaluated scenarios, other tools)"
+        b = spec["benchmark"]
+        n = len(spec.get("scenarios", ()))
+        limit = min((x for x in (spec.get("limit"), (spec.get("evaluated") or {}).get("limit")) if x is not None),
+                    default=None)
+        where = ", ".join([*([f"first {limit} per domain"] if limit is not None else []),
+                           *([f"in variants {', '.join(b['train_domains'])}"] if b.get("train_domains") else [])])
+        where = f"; {where}" if where else ""
+        if b.get("train_split") == "eval":
+            return f"ToolSandbox's evaluated scenarios (train_split=eval: {n} base scenarios{where})"
+        return (f"ToolSandbox heldout split (seed {b.get('train_seed', 0)}: {n} base scenarios stratified by category, "
+                f"never evaluated{where})")
+
+    def train_split_notes(self, spec: dict[str, Any]) -> tuple[str, ...]:
+        return (EVAL_NOTE,) if spec["benchmark"].get("train_split") == "eval" else ()
 
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
+        """The training scenarios in ``benchmark.train_domains`` (default the evaluated domains). ``eval`` with the
+        evaluated domains repeats the evaluation's selection exactly (task ids, its per-domain limit; then the
+        training ``limit``)."""
         from tracekit.envs.toolsandbox import ToolSandboxSuite
 
         b = cfg.benchmark
-        return ToolSandboxSuite(name=f"{b.name}-train", domains=list(b.train_domains), limit=spec.get("limit"),
-                                user=self.user_spec(cfg))
+        domains = list(b.get("train_domains") or ()) or list(b.domains)
+        limit = spec.get("limit")
+        task_ids = None
+        ev = spec.get("evaluated")
+        if ev is not None:
+            limit = min((n for n in (limit, ev["limit"]) if n is not None), default=None)
+            if ev["task_ids"] and domains == list(b.domains):
+                task_ids = ev["task_ids"]
+        return ToolSandboxSuite(name=f"{b.name}-train", domains=domains, scenarios=list(spec["scenarios"]),
+                                task_ids=task_ids, limit=limit, user=self.user_spec(cfg))
+
+    def is_paper_tasks(self, b: DictConfig) -> bool:
+        return list(b.domains) == ["base"] and train_split_of(b) == "eval"  # heldout keeps half of them out
+
+    def describe_tasks(self, b: DictConfig) -> str:
+        held = excluded_from_evaluation(b)
+        split = (f"{len(held)} base scenarios held out for training (train_split=heldout, seed {train_seed_of(b)})"
+                 if held else f"train_split={train_split_of(b)}")
+        return f"{super().describe_tasks(b)[:-1]}, {split})"
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         return "toolsandbox"
