@@ -149,6 +149,12 @@ def build_suite(cfg: DictConfig, split: str | None = None) -> Any:
     return target_of(cfg).build_suite(cfg, split, client_for)
 
 
+def _user_kind(cfg: DictConfig) -> str | None:
+    """``user.kind``, or None where the stage's read view masks the user group (the stage does not read it)."""
+    user = cfg.get("user")
+    return user.get("kind") if isinstance(user, DictConfig) else None
+
+
 def suite_from_config(cfg: dict, split: str | None = None) -> Any:
     """An environment worker's suite (:mod:`tracekit.envs.pool`) from a plain config dict."""
     return build_suite(OmegaConf.create(cfg), split)
@@ -489,8 +495,7 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
             env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=_engine_spec(cfg),
             # execution only (in no key); an LLM user's replies are batched in the trainer's process
-            env_workers=0 if OmegaConf.select(cfg, "user.kind", default=None) == "llm"
-            else OmegaConf.select(cfg, "rollout.env_workers", default="auto"))
+            env_workers=0 if _user_kind(cfg) == "llm" else OmegaConf.select(cfg, "rollout.env_workers", default="auto"))
         launcher = LauncherSettings(**_plain(cfg.launcher))
         logger = ctx.record.logger
 
