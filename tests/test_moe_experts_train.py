@@ -53,7 +53,10 @@ def _compare(m, ids):
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert ref.keys() == got.keys() and any("experts" in n for n in ref)
     for n in ref:
-        assert torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-7), (n, (got[n] - ref[n]).abs().max())
+        # float32 reassociation error scales with the tensor's magnitude, not each element's: an element
+        # near zero in a tensor of scale 1 may differ by a few ulps of 1 (seen: 3.3e-7 at scale 1.04)
+        atol = 1e-6 * ref[n].abs().max().item()
+        assert torch.allclose(got[n], ref[n], rtol=1e-4, atol=atol), (n, (got[n] - ref[n]).abs().max())
     return ref
 
 
