@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.envs.toolsandbox import INSTALL_STEP, missing_environment
 from tracekit.targets import (
     kind_of_env,

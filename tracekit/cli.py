@@ -31,8 +31,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import StageCache, atomic_write_text, unwritable
-from tracekit.config import (USER_ERRORS, ConfigError, interpolation_message, needed_endpoints, probe_endpoints,
-                             register_configs, validate)
+from tracekit.config import USER_ERRORS, ConfigError, interpolation_message, register_configs
+from tracekit.validate import needed_endpoints, probe_endpoints, validate
 from tracekit.report.logging import log_traceback_to_file
 
 log = logging.getLogger("tracekit")

@@ -16,7 +16,7 @@ temp directory under a file lock and renamed into place, so a killed export leav
 looks complete.
 
 One model at a time: :func:`load_backbone` first drops the in-process models that caches registered
-with :func:`register_model_cache` hold (``tracekit.stages``' chat clients), unless it is called inside
+with :func:`register_model_cache` hold (``tracekit.wiring``' chat clients), unless it is called inside
 :func:`keeping_cached_models` (a cache filling itself), then returns freed memory to the OS
 (:func:`release_memory`). So a stage that loads its own backbone (GRPO training, composition) does
 not also keep the agent's model of an earlier stage for the rest of the run.

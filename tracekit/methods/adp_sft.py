@@ -16,7 +16,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.policy import Budget, Policy
 from tracekit.pipeline import Stage
 
 LABEL = "ADP SFT"
@@ -37,7 +38,7 @@ def adp_stage(ctx) -> None:
     from tracekit.llm.backbones import load_backbone
     from tracekit.methods.adp_data import load_adp, sft_rows
     from tracekit.rl.sft import SFTSettings, train_sft
-    from tracekit.stages import backbone_dict, device, dtype
+    from tracekit.wiring import backbone_dict, device, dtype
 
     cfg, s = ctx.cfg, ctx.cfg.baselines.adp_sft
     records, report = load_adp(list(s.data), s.max_records)

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import Artifact, JsonlAppender, atomic_write_json, iter_jsonl, read_json
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.policy import Budget, Policy
 from tracekit.methods.target_train import (
     capabilities_block, ranked_capabilities, refuse_without_training_split, trace_episodes, train_suite_reads,
     train_suite_spec,
@@ -124,7 +125,7 @@ class TargetAdapter:
         from gepa import EvaluationBatch
 
         from tracekit.rollout import TRAJECTORIES, load_done, run_rollouts
-        from tracekit.stages import llm_agent
+        from tracekit.wiring import llm_agent
 
         suffix = self.suffix(candidate)
         d = self.root / stable_hash(suffix, length=16)
@@ -289,7 +290,7 @@ def run_gepa(cfg, capabilities: list[dict[str, str]], budget: int, work: Path, s
     import gepa
 
     from tracekit.llm.base import EndpointError
-    from tracekit.stages import client_for
+    from tracekit.wiring import client_for
 
     s = cfg.baselines.gepa
     suite, tasks = training_tasks(cfg)
@@ -354,7 +355,7 @@ def gepa_run(ctx, capabilities: list[dict[str, str]], budget: int) -> Artifact:
     seed = derive_seed(cfg.seed, "gepa")
     key = stable_hash({"reads": _values(cfg, run_reads(cfg)), "capabilities": capabilities, "budget": budget},
                       length=20)
-    from tracekit.stages import release_client
+    from tracekit.wiring import release_client
 
     t0 = time.time()
     try:

@@ -20,14 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tracekit.artifacts import COMPLETE, Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
-from tracekit.methods.target_train import (
-    matched_iterations,
-    refuse_without_training_split,
-    trace_episodes,
-    train_suite_reads,
-    train_suite_spec,
-)
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.policy import Policy, grpo_budget
+from tracekit.methods.target_train import (refuse_without_training_split, trace_episodes, train_suite_reads,
+                                           train_suite_spec)
+from tracekit.runs import matched_iterations
 from tracekit.pipeline import Stage
 from tracekit.targets import target
 
@@ -36,7 +33,7 @@ RESULT = "grpo_target.json"
 
 
 def stage_reads(cfg):
-    from tracekit.stages import AGENT_ENGINE_READS
+    from tracekit.wiring import AGENT_ENGINE_READS
 
     return ("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS, *train_suite_reads(cfg), "baselines.grpo_target")
 
@@ -51,7 +48,7 @@ def train_on_target(ctx, name: str, settings: Any, spec_for: Callable[[int], dic
     with ``episodes`` and ``checkpoint_iterations``; ``spec_for(iterations)``: the training suite's spec). The
     result record: the adapter, the budget and the kept checkpoints."""
     from tracekit.rl.launch import Factory
-    from tracekit.stages import grpo_run
+    from tracekit.runs import grpo_run
 
     cfg = ctx.cfg
     matched = trace_episodes(ctx.inputs["train"]) if settings.episodes is None else None
@@ -71,7 +68,7 @@ def train_on_target(ctx, name: str, settings: Any, spec_for: Callable[[int], dic
 
 
 def grpo_target_stage(ctx) -> None:
-    from tracekit.stages import train_seeds
+    from tracekit.runs import train_seeds
 
     cfg, s = ctx.cfg, ctx.cfg.baselines.grpo_target
 

@@ -6,7 +6,7 @@ Training tasks (never the evaluated ones) are the target's (``tracekit.targets``
 
 - ``tau2``: tau^2's ``train`` split (``split_tasks.json``), the benchmark's own reward and user;
 - ``synthetic`` (``tau2_mini``): instances of the same library environments at the target's difficulty from the
-  training seeds (``tracekit.stages.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
+  training seeds (``tracekit.runs.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
   (``LibraryTargetSuite``'s 10,000,000 on) and from validation's ``0..n``;
 - ``coding`` / ``swebench``: the local SWE-smith-style train split;
 - ``toolsandbox``: the scenario variants of ``benchmark.train_domains`` (ToolSandbox has no split).
@@ -20,7 +20,6 @@ stage's adapters), read from their artifacts: the methods that match it take ``t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -74,7 +73,8 @@ def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any
     """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``),
     built by the target the spec's benchmark names (``Target.train_suite``; ``cache_dir``: the coding target's task
     cache)."""
-    from tracekit.stages import TRAIN_SEED_OFFSET, client_for
+    from tracekit.runs import TRAIN_SEED_OFFSET
+    from tracekit.wiring import client_for
 
     cfg = OmegaConf.create(spec)
     return target(cfg.benchmark.kind).train_suite(cfg, spec, cache_dir, client_for, TRAIN_SEED_OFFSET)
@@ -83,14 +83,9 @@ def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any
 def trace_episodes(train: Artifact) -> int:
     """The episodes TRACE's per-capability GRPO runs rolled out, summed (the matched budget)."""
     from tracekit.methods.consolidate import adapters_budget
-    from tracekit.stages import adapters_of
+    from tracekit.runs import adapters_of
 
     return adapters_budget(adapters_of(train)).episodes
-
-
-def matched_iterations(cfg: DictConfig, episodes: int) -> int:
-    """GRPO iterations of ``grpo.groups x grpo.group_size`` episodes that spend ``episodes`` (rounded up)."""
-    return max(1, math.ceil(episodes / (cfg.grpo.groups * cfg.grpo.group_size)))
 
 
 def ranked_capabilities(select: Artifact, only: set[str] | None = None) -> list[dict[str, str]]:

@@ -17,8 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
-from tracekit.methods.target_train import matched_iterations, trace_episodes
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.policy import Policy, grpo_budget
+from tracekit.methods.target_train import trace_episodes
+from tracekit.runs import matched_iterations
 from tracekit.pipeline import Stage
 
 LABEL = "Untargeted synthetic (AWM-style)"
@@ -27,7 +29,7 @@ RESULT = "untargeted.json"
 
 def family_environments(cfg) -> list[str]:
     """The library environments of the target's family (no analysis: all of them), by name."""
-    from tracekit.stages import synthesis_target
+    from tracekit.runs import synthesis_target
     from tracekit.synthesis.library import LIBRARY_NAMES, _target_family, library_env
 
     family = _target_family(synthesis_target(cfg))
@@ -35,7 +37,7 @@ def family_environments(cfg) -> list[str]:
 
 
 def stage_reads(cfg):
-    from tracekit.stages import AGENT_ENGINE_READS
+    from tracekit.wiring import AGENT_ENGINE_READS
 
     reads = ["grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS, "baselines.untargeted_synthetic"]
     if cfg.baselines.untargeted_synthetic.envs_dir is None:  # the library: the target's family, the difficulty
@@ -72,7 +74,7 @@ def user_packages(envs_dir: str) -> list[Path]:
 
 def packages_content(cfg):
     """The user folder's packages' content (part of the stage's key: editing a package recomputes)."""
-    from tracekit.stages import package_identity
+    from tracekit.runs import package_identity
 
     d = cfg.baselines.untargeted_synthetic.envs_dir
     return {p.name: package_identity(p) for p in user_packages(d)} if d else None
@@ -80,7 +82,7 @@ def packages_content(cfg):
 
 def untargeted_stage(ctx) -> None:
     from tracekit.rl.launch import Factory
-    from tracekit.stages import grpo_run, package_identity, train_seeds
+    from tracekit.runs import grpo_run, package_identity, train_seeds
 
     cfg, s = ctx.cfg, ctx.cfg.baselines.untargeted_synthetic
     pkgs = user_packages(s.envs_dir) if s.envs_dir else _write_library_packages(cfg, ctx.work_dir / "envs")

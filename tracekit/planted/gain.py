@@ -181,7 +181,7 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
     first = next(iter(variants.values()))
     cfg = first["cfg"]
     from tracekit.planted.warmstart import PlantedSpec, planted_record
-    from tracekit.stages import backbone_dict
+    from tracekit.wiring import backbone_dict
 
     if cfg.backbone.get("planted"):  # the planted testbed's warm start; experiment=gain has none
         spec = PlantedSpec.from_config(cfg.backbone.planted)

@@ -93,7 +93,7 @@ def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] =
 def base_success_by_env(cache: Any, record: Any) -> dict[str, list[int]]:
     """{environment: [successes, episodes]} of the run's base rollout: whether the warm start made the strong
     capabilities strong and left the planted ones weak."""
-    from tracekit.stages import trajectories_of
+    from tracekit.runs import trajectories_of
 
     art = next(a for a in record.artifacts.values() if a["stage"] == "rollout")
     counts: dict[str, list[int]] = {}

@@ -33,20 +33,21 @@ DATA = "figure4.json"
 
 def figure4_reads(cfg) -> tuple[str, ...]:
     from tracekit.methods.gepa import run_reads
-    from tracekit.stages import compose_reads, rollout_reads
+    from tracekit.methods.consolidate import compose_reads
+    from tracekit.wiring import rollout_reads
 
     return tuple(dict.fromkeys([*rollout_reads(cfg), *compose_reads(cfg), *run_reads(cfg), "baselines.gepa"]))
 
 
 def figure4_inputs(cfg) -> tuple[str, ...]:
-    from tracekit.stages import compose_inputs
+    from tracekit.methods.consolidate import compose_inputs
 
     return tuple(dict.fromkeys(["rollout", "select", "train", "compose", "gepa", "grpo_target", *compose_inputs(cfg)]))
 
 
 def _pass_rate(ctx, policy) -> float:
     from tracekit.evaluate import summarize
-    from tracekit.stages import policy_trajectories
+    from tracekit.runs import policy_trajectories
 
     return float(summarize(policy_trajectories(ctx, policy))["overall"]["pass_rate"])
 
@@ -55,7 +56,7 @@ def top_k_composition(ctx, adapters: dict[str, Artifact]):
     """The configured consolidation over ``adapters`` as the sub-artifact ``compositions/<key>``; its policy."""
     from tracekit.methods.consolidate import STRATEGIES, read_consolidated, write_consolidated
     from tracekit.methods.gepa import _values
-    from tracekit.stages import compose_reads
+    from tracekit.methods.consolidate import compose_reads
 
     cfg = ctx.cfg
     strategy = STRATEGIES[cfg.consolidation.method]
@@ -72,13 +73,13 @@ def top_k_composition(ctx, adapters: dict[str, Artifact]):
 
 
 def figure4_stage(ctx) -> None:
-    from tracekit.methods.base import Policy
+    from tracekit.policy import Policy
     from tracekit.methods.consolidate import adapters_budget, read_consolidated
     from tracekit.methods.gepa import RESULT as GEPA_RESULT, RUN_RESULT, gepa_run
     from tracekit.methods.grpo_target import read_result
     from tracekit.methods.prompt_only import prompt_policy
     from tracekit.methods.target_train import ranked_capabilities
-    from tracekit.stages import adapters_of
+    from tracekit.runs import adapters_of
 
     cfg = ctx.cfg
     adapters = adapters_of(ctx.inputs["train"])

@@ -301,7 +301,8 @@ def plan(spec: Spec, user_overrides: Sequence[str] = (), log_rows: bool = False)
     work. Rows that compose alike are composed once (a table's rows mostly differ in ``eval.methods`` only)."""
     from omegaconf import open_dict
 
-    from tracekit.config import ConfigError, validate
+    from tracekit.config import ConfigError
+    from tracekit.validate import validate
 
     hydra_ov = [o for o in user_overrides if is_hydra_override(o)]
     user = [o for o in user_overrides if not is_hydra_override(o)]

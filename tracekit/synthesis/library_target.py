@@ -7,7 +7,7 @@ capability-focused instance of a library environment (:mod:`tracekit.synthesis.l
 so the base agent solves some and fails others, and failures differ by capability.
 
 Tasks are ``<env>/seed-<z>`` with seeds from ``seed_offset`` on: disjoint from the seeds that validation
-(``0..n``) and GRPO training (``tracekit.stages.TRAIN_SEED_OFFSET`` on) draw, so evaluation is on held-out
+(``0..n``) and GRPO training (``tracekit.runs.TRAIN_SEED_OFFSET`` on) draw, so evaluation is on held-out
 instances. Each trajectory's ``env`` is its library environment, the evaluation's per-column unit.
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Budget
+from tracekit.policy import Budget
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 
 
@@ -38,7 +38,7 @@ class LoRAMoE(Strategy):
             write_log_csv,
         )
         from tracekit.moe.model import MoEConfig, build_lora_moe
-        from tracekit.stages import backbone_dict, device, dtype
+        from tracekit.wiring import backbone_dict, device, dtype
 
         cfg, m = ctx.cfg, ctx.cfg.moe
         groups = {cap: gate_examples(a.path, m.gate_data == "successes") for cap, a in adapters.items()}

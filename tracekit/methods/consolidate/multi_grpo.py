@@ -10,9 +10,9 @@ spend them. It does not reuse the capability adapters.
 from __future__ import annotations
 
 from tracekit.artifacts import Artifact, read_json
-from tracekit.methods.base import grpo_budget
+from tracekit.policy import grpo_budget
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
-from tracekit.methods.target_train import matched_iterations
+from tracekit.runs import matched_iterations
 
 
 class MultiGRPO(Strategy):
@@ -21,13 +21,13 @@ class MultiGRPO(Strategy):
     inputs = ("synthesize",)
 
     def reads(self, cfg):
-        from tracekit.stages import AGENT_ENGINE_READS
+        from tracekit.wiring import AGENT_ENGINE_READS
 
         return ("grpo", "launcher.kind", *AGENT_ENGINE_READS, "consolidation.budget")
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         from tracekit.rl.launch import Factory
-        from tracekit.stages import grpo_run, package_identity, train_seeds
+        from tracekit.runs import grpo_run, package_identity, train_seeds
 
         syn = ctx.inputs["synthesize"]
         ready = [e["capability"] for e in read_json(syn.path / "environments.json")["environments"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from tracekit.artifacts import Artifact, read_json
-from tracekit.methods.base import Budget
+from tracekit.policy import Budget
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 
 
@@ -29,7 +29,8 @@ class OnPolicyDistill(Strategy):
 
         from tracekit.llm.backbones import load_backbone
         from tracekit.rl.distill import DistillSettings, train_distill
-        from tracekit.stages import backbone_dict, device, dtype, train_seeds
+        from tracekit.runs import train_seeds
+        from tracekit.wiring import backbone_dict, device, dtype
         from tracekit.synthesis.mixture import MixtureSuite
         from tracekit.synthesis.stage import open_package
 

@@ -5,7 +5,7 @@ Successful ones by default (``consolidation.sft.data``); the data costs no new e
 from __future__ import annotations
 
 from tracekit.artifacts import Artifact
-from tracekit.methods.base import Budget
+from tracekit.policy import Budget
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 
 
@@ -21,7 +21,7 @@ class SFTSynthetic(Strategy):
 
         from tracekit.llm.backbones import load_backbone
         from tracekit.rl.sft import SFTSettings, sft_examples, train_sft
-        from tracekit.stages import backbone_dict, device, dtype
+        from tracekit.wiring import backbone_dict, device, dtype
 
         cfg, s = ctx.cfg, ctx.cfg.consolidation.sft
         examples = sft_examples([a.path for a in adapters.values()], successes_only=s.data == "successes")
