@@ -14,12 +14,10 @@ from tracekit.rl.engines import (
     ClientEngine,
     Completion,
     PolicyChat,
-    VLLMEngine,
-    VLLMSettings,
-    parse_vllm_choice,
     sample_completions,
 )
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
+from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings, parse_vllm_choice
 from tracekit.types import Message
 
 

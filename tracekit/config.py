@@ -138,7 +138,7 @@ class GrpoConfig(GRPOSettings):
     """The trainer's settings plus the rollout engine (hf in process | vllm server with LoRA sync)."""
 
     engine: str = "hf"
-    vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.engines.VLLMSettings fields
+    vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.vllm_client.VLLMSettings fields
 
     def settings(self) -> GRPOSettings:
         return GRPOSettings(**{k: getattr(self, k) for k in GRPOSettings.__dataclass_fields__})

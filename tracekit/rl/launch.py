@@ -196,7 +196,7 @@ def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, A
     if kind == "vllm":
         if dist.active:
             raise NotImplementedError("grpo.engine=vllm under a multi-process launcher is not built: use launcher=local with vllm")
-        from tracekit.rl.engines import VLLMEngine, VLLMSettings
+        from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings
 
         s = VLLMSettings(**{k: v for k, v in spec.engine.items() if k != "kind"})
         if s.max_lora_rank < spec.grpo.lora.rank:
