@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from tracekit.analysis.compact import CompactConfig
 from tracekit.analysis.discovery import DiscoveryConfig, discover, read_dictionary, write_dictionary
-from tracekit.analysis.labeling import LabelingConfig, LLMLabeler
+from tracekit.analysis.labeling import LLMLabeler, LabelingConfig
 from tracekit.analysis.select import Thresholds
 from tracekit.analysis.stages import label, read_labels
 from tracekit.analysis.stages import select_stage as run_select
@@ -27,6 +27,7 @@ from tracekit.evaluate import RESULTS, paired_table, wandb_rows, write_results
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES, compose_inputs, compose_reads, write_consolidated
 from tracekit.pipeline import Pipeline, Stage, StageContext
+from tracekit.report.figure4 import FIGURE4
 from tracekit.rl.launch import Factory
 from tracekit.runs import (adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
                            synthesis_target, train_seeds, trajectories_of)
@@ -318,4 +319,5 @@ def build_pipeline() -> Pipeline:
               report=evaluate_report, key_extra=evaluation_benchmark,
               version="2"),  # 2: each row keeps its per-episode outcomes and its paired comparison with Base
         *(stage for method in METHODS.values() for stage in method.stages),
+        FIGURE4,  # paper Figure 4: TRACE, GEPA, GRPO on target and prompt only along k and the rollouts
     ])

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracekit.coding.sandbox import CommandLimits, jail_problem, require_jail
+from tracekit.coding.suite import CodingSuite
+from tracekit.coding.swebench import SweBenchSuite
+from tracekit.coding.tasks import TaskGenConfig, load_or_generate, python_modifiers
+
 SPLITS = ("train", "test")
 
 
@@ -45,8 +50,6 @@ RANGES = {f"benchmark.coding.{k}": v for k, v in {
 
 def modifier_names() -> tuple[str, ...]:
     """swesmith's Python procedural modifier names (``benchmark.coding.modifiers`` choices)."""
-    from tracekit.coding.tasks import python_modifiers
-
     return tuple(pm.name for pm in python_modifiers())
 
 
@@ -59,8 +62,6 @@ def check(bench: Any) -> list[tuple[str, Any, str]]:
     if bench.kind in ("coding", "swebench") and bench.split not in SPLITS:
         return [("benchmark.split", bench.split, f"one of {', '.join(SPLITS)} with benchmark.kind={bench.kind}")]
     if bench.kind in ("coding", "swebench"):  # the agent's commands run only in the jail, never uncontained
-        from tracekit.coding.sandbox import jail_problem
-
         problem = jail_problem()
         if problem:
             return [("benchmark.kind", bench.kind, f"a target whose sandbox can start on this machine ({problem})")]
@@ -68,8 +69,6 @@ def check(bench: Any) -> list[tuple[str, Any, str]]:
 
 
 def gen_config(bench: Any):
-    from tracekit.coding.tasks import TaskGenConfig
-
     c = bench.coding
     return TaskGenConfig(package=c.package, seed=int(c.seed), modifiers=tuple(c.modifiers),
                          max_per_modifier=int(c.max_per_modifier),
@@ -79,8 +78,6 @@ def gen_config(bench: Any):
 
 
 def command_limits(bench: Any):
-    from tracekit.coding.sandbox import CommandLimits
-
     c = bench.coding
     return CommandLimits(cpu_seconds=int(c.command_cpu_seconds), wall_seconds=float(c.command_wall_seconds),
                          memory_bytes=int(c.command_memory_mb) << 20, processes=int(c.command_processes),
@@ -91,16 +88,9 @@ def build_suite(bench: Any, cache_dir: str | Path, split: str | None = None, rew
                 limit: Any = "config") -> Any:
     """The EnvSuite of a ``benchmark`` node of kind coding (tasks generated once into ``cache_dir``) or swebench.
     Refuses (JailUnavailable, one line) where the sandbox cannot start, before any work."""
-    from tracekit.coding.sandbox import require_jail
-
     require_jail()
     if bench.kind == "swebench":
-        from tracekit.coding.swebench import SweBenchSuite
-
         return SweBenchSuite.from_config(bench, command_limits(bench))
-    from tracekit.coding.sandbox import CommandLimits
-    from tracekit.coding.suite import CodingSuite
-    from tracekit.coding.tasks import load_or_generate
 
     taskset = load_or_generate(gen_config(bench), Path(cache_dir))
     eval_limits = CommandLimits(cpu_seconds=int(bench.coding.test_cpu_seconds),

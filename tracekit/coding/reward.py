@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from tracekit.coding import repo as R
 from tracekit.coding import sandbox
+from tracekit.coding import repo as R
 from tracekit.coding.sandbox import CommandLimits
 
 

@@ -35,8 +35,8 @@ from typing import Any
 from filelock import FileLock
 
 from tracekit.artifacts import atomic_write_json, read_json, read_jsonl, write_jsonl
-from tracekit.coding import repo as R
 from tracekit.coding import sandbox
+from tracekit.coding import repo as R
 from tracekit.coding.reward import evaluate_patch
 from tracekit.coding.sandbox import CommandLimits
 from tracekit.types import stable_hash

@@ -39,6 +39,7 @@ from typing import Any
 from tracekit.agents import Agent
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
 from tracekit.llm.base import ChatResponse
+from tracekit.synthesis.targets import target_policy, target_tools
 from tracekit.types import Message, Task, ToolCall
 
 log = logging.getLogger(__name__)
@@ -331,8 +332,6 @@ class ToolSandboxSuite(EnvSuite):
         return ToolSandboxEpisode(self, task, seed)
 
     def interface(self) -> dict[str, Any]:
-        from tracekit.synthesis.targets import target_policy, target_tools
-
         return {"toolsandbox": {"system_prompt": target_policy("toolsandbox"), "policy": target_policy("toolsandbox"),
                                 "tools": list(target_tools("toolsandbox").values())}}
 

@@ -10,9 +10,13 @@ unless ``baselines.swe_rl.episodes`` is set), engine and LoRA are ``grpo_target`
 from __future__ import annotations
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
+from tracekit.config import ConfigError
 from tracekit.methods.base import Method, PolicyRow
-from tracekit.policy import Policy, grpo_budget
+from tracekit.methods.grpo_target import train_on_target
+from tracekit.methods.grpo_target import stage_reads as grpo_reads
+from tracekit.methods.target_train import refuse_without_training_split, train_suite_spec
 from tracekit.pipeline import Stage
+from tracekit.policy import Policy, grpo_budget
 
 LABEL = "SWE-RL"
 RESULT = "swe_rl.json"
@@ -23,8 +27,6 @@ RESULT = "swe_rl.json"
 
 
 def stage_reads(cfg):
-    from tracekit.methods.grpo_target import stage_reads as grpo_reads
-
     return tuple(r if r != "baselines.grpo_target" else "baselines.swe_rl" for r in grpo_reads(cfg))
 
 
@@ -33,9 +35,6 @@ def stage_inputs(cfg):
 
 
 def swe_rl_stage(ctx) -> None:
-    from tracekit.methods.grpo_target import train_on_target
-    from tracekit.methods.target_train import train_suite_spec
-
     cfg, s = ctx.cfg, ctx.cfg.baselines.swe_rl
     record = train_on_target(ctx, "swe_rl", s, lambda _: {**train_suite_spec(cfg, limit=s.train_limit), "reward": "swe_rl"},
                              cache_dir=str(cfg.paths.cache_dir))
@@ -60,9 +59,6 @@ class SweRl(Method):
         return ("swe_rl",)
 
     def validate(self, cfg):
-        from tracekit.config import ConfigError
-        from tracekit.methods.target_train import refuse_without_training_split
-
         if cfg.benchmark.kind not in ("coding", "swebench"):
             raise ConfigError(f"swe_rl trains with SWE-RL's patch-similarity reward on the coding target's training "
                               f"split (gold patches): benchmark.kind=coding or swebench (got {cfg.benchmark.kind}, "

@@ -25,7 +25,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import Artifact, read_json
+from tracekit.config import ConfigError
+from tracekit.methods.consolidate import adapters_budget
+from tracekit.runs import TRAIN_SEED_OFFSET, adapters_of
 from tracekit.targets import target, target_of
+from tracekit.wiring import client_for
 
 CAPABILITIES_HEADER = ("Capabilities that tasks in this environment require. Exercise each one whenever a task "
                        "calls for it:")
@@ -37,8 +41,6 @@ def training_split_problem(cfg: DictConfig) -> str | None:
 
 
 def refuse_without_training_split(cfg: DictConfig, method: str) -> None:
-    from tracekit.config import ConfigError
-
     problem = training_split_problem(cfg)
     if problem:
         raise ConfigError(f"{method} trains on the target's training split, but {cfg.benchmark.name} has none "
@@ -73,18 +75,12 @@ def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any
     """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``),
     built by the target the spec's benchmark names (``Target.train_suite``; ``cache_dir``: the coding target's task
     cache)."""
-    from tracekit.runs import TRAIN_SEED_OFFSET
-    from tracekit.wiring import client_for
-
     cfg = OmegaConf.create(spec)
     return target(cfg.benchmark.kind).train_suite(cfg, spec, cache_dir, client_for, TRAIN_SEED_OFFSET)
 
 
 def trace_episodes(train: Artifact) -> int:
     """The episodes TRACE's per-capability GRPO runs rolled out, summed (the matched budget)."""
-    from tracekit.methods.consolidate import adapters_budget
-    from tracekit.runs import adapters_of
-
     return adapters_budget(adapters_of(train)).episodes
 
 

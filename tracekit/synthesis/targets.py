@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tracekit.coding.suite import GENERIC_POLICY, TOOLS
+
 TAU2_TARGETS = ("tau2_airline", "tau2_retail")
 TARGETS = (*TAU2_TARGETS, "toolsandbox", "coding")  # coding: tracekit/coding/suite.py (bash, submit)
 
@@ -58,8 +60,6 @@ def _target_tools(target: str) -> dict[str, dict[str, Any]]:
     if target == "toolsandbox":
         return _toolsandbox_tools()
     if target == "coding":  # issue 20: the coding target's agent interface
-        from tracekit.coding.suite import TOOLS
-
         return {t["function"]["name"]: t for t in TOOLS}
     raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
 
@@ -89,8 +89,6 @@ def target_policy(target: str) -> str:
     if target == "toolsandbox":
         return TOOLSANDBOX_SYSTEM_PROMPT
     if target == "coding":
-        from tracekit.coding.suite import GENERIC_POLICY
-
         return GENERIC_POLICY
     raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
 

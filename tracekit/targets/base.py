@@ -23,6 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.evaluate import markdown_table, summarize
+
 ClientFor = Callable[[DictConfig, str], Any]  # tracekit.stages.client_for(cfg, role)
 
 
@@ -70,11 +72,7 @@ class Target:
         raise NotImplementedError(f"target {self.kind}: no gold agent")
 
     def summarize(self, trajectories: list[Any]) -> dict[str, Any]:
-        from tracekit.evaluate import summarize
-
         return summarize(trajectories)
 
     def markdown_table(self, results: dict[str, Any]) -> str:
-        from tracekit.evaluate import markdown_table
-
         return markdown_table(results)

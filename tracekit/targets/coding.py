@@ -10,6 +10,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.agents import GoldAgent
+from tracekit.coding.config import build_suite, check
+from tracekit.coding.config import build_suite as coding_suite
+from tracekit.coding.reference import CodingReferenceLabeler, reference_dictionary
+from tracekit.config import _check
 from tracekit.targets.base import ClientFor, Target
 
 
@@ -20,15 +25,10 @@ class CodingTarget(Target):
     columns = ("pass_at_1",)
 
     def validate(self, cfg: DictConfig) -> None:
-        from tracekit.coding.config import check
-        from tracekit.config import _check
-
         for key, value, valid in check(cfg.benchmark):
             _check(False, key, value, valid)
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        from tracekit.coding.config import build_suite
-
         return build_suite(cfg.benchmark, cfg.paths.cache_dir, split)
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
@@ -47,7 +47,6 @@ class CodingTarget(Target):
         ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
         import os
 
-        from tracekit.coding.config import build_suite as coding_suite
 
         root = cache_dir or os.environ.get("TRACEKIT_CACHE") or os.path.join(
             os.environ.get("TRACEKIT_ROOT", os.getcwd()), "outputs", "cache")
@@ -58,18 +57,12 @@ class CodingTarget(Target):
         return "coding"
 
     def reference_dictionary(self) -> list[Any]:
-        from tracekit.coding.reference import reference_dictionary
-
         return reference_dictionary()
 
     def reference_labeler(self, noise: float) -> Any:
-        from tracekit.coding.reference import CodingReferenceLabeler
-
         return CodingReferenceLabeler(noise=noise)
 
     def gold_agent(self) -> Any:
-        from tracekit.agents import GoldAgent
-
         return GoldAgent()  # replays task.data["actions"]: apply the gold patch with bash, run the tests, submit
 
 

@@ -17,7 +17,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.config import ConfigError, _check
+from tracekit.envs.toolsandbox import DOMAINS, ToolSandboxOracle, ToolSandboxSuite, missing_environment
+from tracekit.evaluate import BUDGET_COLUMNS, mean_ci, split_runs, summarize
 from tracekit.targets.base import ClientFor, Target
+from tracekit.targets.toolsandbox_labels import ToolSandboxReferenceLabeler, reference_dictionary
 
 
 class ToolSandboxTarget(Target):
@@ -27,9 +31,6 @@ class ToolSandboxTarget(Target):
     columns = ("perfect", "mean_similarity")
 
     def validate(self, cfg: DictConfig) -> None:
-        from tracekit.config import ConfigError, _check
-        from tracekit.envs.toolsandbox import DOMAINS, missing_environment
-
         b = cfg.benchmark
         _check(len(b.domains) > 0 and all(d in DOMAINS for d in b.domains), "benchmark.domains", list(b.domains),
                f"a non-empty list of ToolSandbox domains ({', '.join(DOMAINS)}) with benchmark.kind=toolsandbox")
@@ -56,8 +57,6 @@ class ToolSandboxTarget(Target):
                 "max_retries": ep.max_retries}
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        from tracekit.envs.toolsandbox import ToolSandboxSuite
-
         if split not in (None, "base"):
             raise ValueError(f"ToolSandbox has no {split!r} split (its scenarios are one evaluation set)")
         b = cfg.benchmark
@@ -77,8 +76,6 @@ class ToolSandboxTarget(Target):
 
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
-        from tracekit.envs.toolsandbox import ToolSandboxSuite
-
         b = cfg.benchmark
         return ToolSandboxSuite(name=f"{b.name}-train", domains=list(b.train_domains), limit=spec.get("limit"),
                                 user=self.user_spec(cfg))
@@ -87,25 +84,17 @@ class ToolSandboxTarget(Target):
         return "toolsandbox"
 
     def reference_dictionary(self) -> list[Any]:
-        from tracekit.targets.toolsandbox_labels import reference_dictionary
-
         return reference_dictionary()
 
     def reference_labeler(self, noise: float) -> Any:
-        from tracekit.targets.toolsandbox_labels import ToolSandboxReferenceLabeler
-
         return ToolSandboxReferenceLabeler(noise=noise)
 
     def gold_agent(self) -> Any:
-        from tracekit.envs.toolsandbox import ToolSandboxOracle
-
         return ToolSandboxOracle()
 
     def summarize(self, trajectories: list[Any]) -> dict[str, Any]:
         """The standard summary (reward = similarity, solved = perfect) plus ``similarity``: mean similarity,
         perfect count and rate, per run and per ToolSandbox category (stochastic runs: mean +- Student-t CI)."""
-        from tracekit.evaluate import mean_ci, split_runs, summarize
-
         out = summarize(trajectories)
         runs = split_runs(trajectories)
 
@@ -129,8 +118,6 @@ class ToolSandboxTarget(Target):
         return out
 
     def markdown_table(self, results: dict[str, Any]) -> str:
-        from tracekit.evaluate import BUDGET_COLUMNS
-
         budgets = any("budget" in r for r in results.values())
         header = ["Approach", "Scenarios", "Perfect", "Perfect (%)", "Mean Sim.", *(BUDGET_COLUMNS.values() if budgets else ())]
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from tracekit.methods.consolidate.base import (
-    CONSOLIDATED, Consolidated, Strategy, adapters_budget, read_consolidated, write_consolidated,
-)
+from tracekit.methods.consolidate.base import (CONSOLIDATED, Consolidated, Strategy, adapters_budget, read_consolidated,
+                                               write_consolidated)
 from tracekit.methods.consolidate.merge import MERGES
 from tracekit.methods.consolidate.moe import LoRAMoE
 from tracekit.methods.consolidate.multi_grpo import MultiGRPO
