@@ -13,7 +13,8 @@ import torch
 
 from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
 from tracekit.rl import grpo
-from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer, LoraSettings, sequence_logprobs
+from tracekit.rl.model import sequence_logprobs
+from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer, LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.types import Message, Task, stable_hash
 

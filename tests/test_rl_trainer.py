@@ -230,7 +230,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
 def test_lora_on_fused_moe_experts_via_target_parameters():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from tracekit.rl.trainer import build_peft_model
+    from tracekit.rl.model import build_peft_model
 
     cfg = Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
