@@ -62,9 +62,9 @@ from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE  # noqa: 
 from tau2.registry import registry  # noqa: E402
 from tau2.utils.utils import get_dict_hash  # noqa: E402
 
-from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
-from tracekit.envs.users import ScriptedUser, UserScenario, UserSimulator, UserState, stop_token
-from tracekit.types import Message, Task
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult  # noqa: E402
+from tracekit.envs.users import ScriptedUser, UserScenario, UserSimulator, UserState, stop_token  # noqa: E402
+from tracekit.types import Message, Task  # noqa: E402
 
 log = logging.getLogger(__name__)
 
