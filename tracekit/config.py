@@ -21,7 +21,6 @@ from omegaconf.errors import InterpolationResolutionError
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
-from tracekit.coding.config import CodingBenchmarkConfig
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
@@ -33,6 +32,28 @@ class ConfigError(ValueError):
 
 # failures the user fixes from the message alone: `python -m tracekit` prints it as one line (no traceback)
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CorruptArtifact)
+
+
+@dataclass
+class CodingBenchmarkConfig:
+    package: str = "toolz"  # an installed pure-Python distribution that ships its tests
+    seed: int = 0  # the tasks' seed (bug choice, split); the benchmark does not move with the master seed
+    modifiers: list[str] = field(default_factory=list)  # swesmith modifier names; empty: all 13 Python ones
+    max_per_modifier: int = 3
+    max_candidates_per_modifier: int = 8
+    heldout_fraction: float = 0.5
+    test_wall_seconds: float = 60.0
+    test_cpu_seconds: int = 60
+    command_wall_seconds: float = 30.0  # the agent's bash tool, per command
+    command_cpu_seconds: int = 30
+    command_memory_mb: int = 2048
+    command_processes: int = 128
+    output_chars: int = 4000
+    model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
+    # kind=swebench
+    dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
+    repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
+    max_workers: int = 4  # the harness's parallel containers
 
 
 @dataclass
@@ -49,7 +70,7 @@ class BenchmarkConfig:
     envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
     difficulty: int = 0  # kind=synthetic: the environments' difficulty level
     train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned from (no split)
-    coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py)
+    coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py: ranges, checks, suites)
 
 
 @dataclass

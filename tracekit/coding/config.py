@@ -1,4 +1,5 @@
-"""The coding target's settings (``benchmark.coding``, schema in :class:`CodingBenchmarkConfig`) and its suites.
+"""The coding target's settings (``benchmark.coding``, schema: :class:`tracekit.config.CodingBenchmarkConfig`) and
+its suites.
 
 ``benchmark.kind=coding``: local SWE-smith-style tasks (:mod:`tracekit.coding.tasks`), split ``train`` | ``test``.
 ``benchmark.kind=swebench``: SWE-bench Verified instances (:mod:`tracekit.coding.swebench`), evaluated by the
@@ -7,7 +8,6 @@ official harness in Docker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +17,6 @@ from tracekit.coding.swebench import SweBenchSuite
 from tracekit.coding.tasks import TaskGenConfig, load_or_generate, python_modifiers
 
 SPLITS = ("train", "test")
-
-
-@dataclass
-class CodingBenchmarkConfig:
-    package: str = "toolz"  # an installed pure-Python distribution that ships its tests
-    seed: int = 0  # the tasks' seed (bug choice, split); the benchmark does not move with the master seed
-    modifiers: list[str] = field(default_factory=list)  # swesmith modifier names; empty: all 13 Python ones
-    max_per_modifier: int = 3
-    max_candidates_per_modifier: int = 8
-    heldout_fraction: float = 0.5
-    test_wall_seconds: float = 60.0
-    test_cpu_seconds: int = 60
-    command_wall_seconds: float = 30.0  # the agent's bash tool, per command
-    command_cpu_seconds: int = 30
-    command_memory_mb: int = 2048
-    command_processes: int = 128
-    output_chars: int = 4000
-    model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
-    # kind=swebench
-    dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
-    repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
-    max_workers: int = 4  # the harness's parallel containers
 
 
 # the schema's value ranges (merged into tracekit.config.RANGES) and choices (tracekit.config.CHOICES)
