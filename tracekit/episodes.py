@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracekit.envs.base import EnvSuite, Episode, Observation, StepResult
+from tracekit.envs.base import Episode, EnvSuite, Observation, StepResult
 from tracekit.llm.base import ChatResponse, EndpointError
 from tracekit.types import Message, Task, Trajectory
 
