@@ -89,13 +89,9 @@ from tracekit.rl.engines import sample_completions  # noqa: E402
 from tracekit.rl.fused import set_fused_experts, set_fused_update_kernels  # noqa: E402
 from tracekit.rl.tokens import Turn, collate, pack_microbatches, rows_for_trajectory  # noqa: E402
 from tracekit.rl.toy import KeywordSuite, tiny_tokenizer  # noqa: E402
-from tracekit.rl.trainer import (  # noqa: E402
-    GRPOSettings,
-    GRPOTrainer,
-    LocalBackend,
-    LoraSettings,
-    set_activation_checkpointing,
-)
+from tracekit.rl.model import set_activation_checkpointing
+from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LocalBackend
+from tracekit.rl.settings import LoraSettings
 from tracekit.types import Trajectory  # noqa: E402
 
 ARCHS = {

@@ -30,7 +30,7 @@ def rollout_once(cfg, prefix_cache_mib: float, out: Path) -> dict[str, Any]:
     from omegaconf import open_dict
 
     from tracekit.rollout import read_trajectories, run_rollouts
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import build_agent, build_suite
 
     with open_dict(cfg):
         cfg.agent.prefix_cache_mib = prefix_cache_mib

@@ -267,7 +267,7 @@ def random_lora(cfg, out: Path, seed: int = 0) -> Path:
     from peft import LoraConfig, get_peft_model
 
     from tracekit.llm.backbones import load_backbone
-    from tracekit.stages import backbone_dict
+    from tracekit.wiring import backbone_dict
 
     model, _ = load_backbone(backbone_dict(cfg))
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -287,7 +287,7 @@ def random_moe(cfg, out: Path, adapters: int, seed: int = 0) -> Path:
     with top-1 routing by random gates (N(0, 0.5)), so that tokens split over the adapters."""
     from tracekit.llm.backbones import load_backbone
     from tracekit.moe.model import MoEConfig, build_lora_moe
-    from tracekit.stages import backbone_dict
+    from tracekit.wiring import backbone_dict
 
     dirs = {f"rand{i}": random_lora(cfg, out / f"adapter{i}", seed=seed + i) for i in range(adapters)}
     backbone, _ = load_backbone(backbone_dict(cfg))
@@ -341,7 +341,7 @@ def ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, A
 
 
 def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import build_agent, build_suite
 
     overrides = target_overrides(name, args.limit.get(name)) + args.overrides
     cfg = compose_config(overrides)
@@ -412,7 +412,7 @@ class ReplaySession:
 def host_section(args) -> dict[str, Any]:
     import torch
 
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import build_agent, build_suite
 
     rows = args.host_rows
     cfg = compose_config(["experiment=gain", f"benchmark.limit={-(-rows // 3)}"] + args.overrides)
@@ -496,7 +496,7 @@ def generate_section(args) -> dict[str, Any]:
     import torch
 
     from tracekit.llm.tools import encode_prompt
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import build_agent, build_suite
 
     cfg = compose_config(target_overrides("tau2_mini", None) + args.overrides)
     suite, agent = build_suite(cfg), build_agent(cfg)

@@ -151,7 +151,8 @@ def random_qwen3(arch: str, device: torch.device, dtype: torch.dtype, seed: int)
 
 def grpo_settings(args: argparse.Namespace):
     """The GRPO settings of every run: one optimizer step per batch, gradient checkpointing on."""
-    from tracekit.rl.trainer import GRPOSettings, LoraSettings
+    from tracekit.rl.trainer import GRPOSettings
+    from tracekit.rl.settings import LoraSettings
 
     return GRPOSettings(
         iterations=2, groups=args.groups, group_size=args.group_size, max_new_tokens=args.max_new_tokens, max_steps=args.turns,

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from tracekit.artifacts import StageCache, atomic_write_json, write_jsonl
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.methods import METHODS
-from tracekit.methods.base import Policy
+from tracekit.policy import Policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,7 +145,8 @@ def test_tau2_training_tasks_are_the_train_split_disjoint_from_the_evaluated_one
 
 def test_synthetic_training_tasks_use_the_training_seeds_never_the_held_out_ones(make_cfg):
     from tracekit.methods.target_train import open_target_train, train_suite_spec
-    from tracekit.stages import TRAIN_SEED_OFFSET, build_suite
+    from tracekit.runs import TRAIN_SEED_OFFSET
+    from tracekit.wiring import build_suite
 
     cfg = make_cfg("experiment=smoke", "benchmark=tau2_mini", "benchmark.limit=2")
     train = open_target_train(train_suite_spec(cfg, n_per_env=3))
@@ -171,7 +173,8 @@ def _adapter(cache: StageCache, key: str, episodes: int, checkpoints=()):
 
 def test_the_matched_budget_is_tracess_episodes_and_checkpoints_count_their_episodes(make_cfg, tmp_path):
     from tracekit.methods.grpo_target import checkpoint_points
-    from tracekit.methods.target_train import matched_iterations, trace_episodes
+    from tracekit.methods.target_train import trace_episodes
+    from tracekit.runs import matched_iterations
 
     cache = StageCache(tmp_path / "cache")
     caps = {f"cap{i}": _adapter(cache, f"a{i}", 8) for i in range(3)}

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.artifacts import COMPLETE, CorruptArtifact, StageCache, atomic_write_json, write_jsonl
 from tracekit.pipeline import Pipeline, RunRecord, Stage, UndeclaredRead, read_view
 from tracekit.stages import build_pipeline

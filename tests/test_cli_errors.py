@@ -17,7 +17,8 @@ import pytest
 
 from tests.openai_stub import StubOpenAIServer
 from tracekit.artifacts import COMPLETE
-from tracekit.config import ConfigError, _stage_names, needed_endpoints, probe_endpoints
+from tracekit.config import ConfigError
+from tracekit.validate import _stage_names, needed_endpoints, probe_endpoints
 
 
 def _cli(*args: str, root: Path, **env: str) -> subprocess.CompletedProcess:

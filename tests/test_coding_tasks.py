@@ -150,7 +150,8 @@ def test_unknown_modifier_is_one_line():
 
 
 def test_config_validates_and_refuses_bad_values_in_one_line(make_cfg):
-    from tracekit.config import ConfigError, validate
+    from tracekit.config import ConfigError
+    from tracekit.validate import validate
 
     validate(make_cfg("benchmark=coding_toolz", "experiment=smoke", "eval.methods=[base,swe_rl]"))
     with pytest.raises(ConfigError, match="benchmark.coding.modifiers='nope' is invalid: must be one of func_pm"):

@@ -11,7 +11,8 @@ from typing import get_args, get_origin, get_type_hints
 
 import pytest
 
-from tracekit.config import CHOICES, RANGES, Config, ConfigError, validate
+from tracekit.config import Config, ConfigError
+from tracekit.validate import CHOICES, RANGES, validate
 
 GROUPS = ["benchmark", "backbone", "agent", "thresholds", "analysis", "synthesis", "grpo", "moe",
           "consolidation", "llm", "eval", "launcher", "logger", "experiment"]

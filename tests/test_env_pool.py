@@ -51,8 +51,8 @@ def test_tau2_mini_with_the_tiny_model_is_identical_with_and_without_workers(mak
     """The embedded target (tau2_mini) with the tiny random model and the default decoding: trajectories, rewards
     and turn token ids / log-probs equal with env_workers=0 and env_workers=2 (batch smaller than the tasks, so
     slots are refilled)."""
-    from tracekit.stages import suite_spec
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import suite_spec
+    from tracekit.wiring import build_agent, build_suite
 
     cfg = make_cfg("backbone=tiny", "benchmark=tau2_mini", "benchmark.limit=2", "eval.max_steps=3", "agent.batch_size=3")
     suite, agent = build_suite(cfg), build_agent(cfg)
@@ -207,9 +207,10 @@ def test_sizing(caplog, monkeypatch):
 
 
 def test_env_workers_is_validated_and_in_no_cache_key(make_cfg):
-    from tracekit.config import ConfigError, validate
+    from tracekit.config import ConfigError
+    from tracekit.validate import validate
     from tracekit.pipeline import EXECUTION_KEYS
-    from tracekit.stages import rollout_reads
+    from tracekit.wiring import rollout_reads
 
     for ok in ("auto", "0", "3"):
         validate(make_cfg(f"rollout.env_workers={ok}"))
@@ -227,7 +228,8 @@ def test_grpo_training_through_a_pool_trains_the_same_adapter(tmp_path):
 
     import tracekit.envs.pool as P
     from tracekit.rl.launch import Factory, TrainSpec, run_training
-    from tracekit.rl.trainer import GRPOSettings, LoraSettings
+    from tracekit.rl.trainer import GRPOSettings
+    from tracekit.rl.settings import LoraSettings
 
     made = []
     orig = P.PooledSuite.__init__

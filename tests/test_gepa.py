@@ -87,7 +87,7 @@ def test_a_killed_gepa_run_resumes_without_re_running_an_episode(gepa_cfg, tmp_p
         monkeypatch.setattr(gepa_mod.ReflectionLM, "__call__", real_call)
 
         ran = []  # (candidate dir, task) of every episode the resumed run rolls out
-        import tracekit.rollout as rollout  # the adapter imports run_rollouts when it evaluates: this patch is seen
+        import tracekit.rollout as rollout
 
         original = rollout.run_rollouts
 
@@ -96,7 +96,7 @@ def test_a_killed_gepa_run_resumes_without_re_running_an_episode(gepa_cfg, tmp_p
             ran.extend((Path(out_dir).name, t.id) for t in tasks if (t.id, 0) not in done)
             return original(suite, agent, out_dir, *a, tasks=tasks, **k)
 
-        monkeypatch.setattr(rollout, "run_rollouts", counting)
+        monkeypatch.setattr(gepa_mod, "run_rollouts", counting)  # where the adapter looks it up when it evaluates
         r = gepa_mod.run_gepa(gepa_cfg(srv.url), CAPS, budget=10, work=work, seed=3)
     after = _ledger(work)
     assert not set(ran) & set(before)  # nothing already rolled out was rolled out again (the seed's valset too)

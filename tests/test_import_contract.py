@@ -39,5 +39,5 @@ def test_planted_upward_import_breaks_the_contract(tmp_path):
     base.write_text(base.read_text() + "\nimport tracekit.rl.grpo  # planted\n")
     r = _lint(tmp_path, tmp_path)
     assert r.returncode != 0, r.stdout[-4000:]
-    assert "tracekit.envs does not import tracekit.rl (directly) BROKEN" in " ".join(r.stdout.split())
+    assert "tracekit.envs does not import tracekit.rl, even indirectly BROKEN" in " ".join(r.stdout.split())
     assert "tracekit.envs.base -> tracekit.rl.grpo" in r.stdout

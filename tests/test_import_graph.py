@@ -44,3 +44,15 @@ def test_runs_on_the_package():
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("internal import statements: ") and "imports up the layers (.importlinter" in r.stdout
+
+
+def test_package_has_no_circles_and_every_deferred_import_says_why():
+    """The ratchet of issue 31's hub split: no import circle, and a function-level import only where it must wait
+    (tau2's seconds of import time, the sandbox's limits), each saying so with a ``# deferred:`` comment."""
+    pkg = ROOT / "tracekit"
+    mods = import_graph.modules_of(pkg)
+    stmts = import_graph.statements(mods)
+    assert import_graph.report(pkg, ROOT / ".importlinter", out=io.StringIO())["circles"] == []
+    for s in (s for s in stmts if s.function_level):
+        line = mods[s.source].read_text().splitlines()[s.line - 1]
+        assert "# deferred:" in line, f"{s.source}:{s.line} imports inside a function without '# deferred: <why>'"

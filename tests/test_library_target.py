@@ -7,11 +7,13 @@ import torch
 
 from tracekit.agents import Agent, GoldAgent
 from tracekit.analysis.reference import ReferenceLabeler, reference_dictionary
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.synthesis.library_target import TARGET_SEED_OFFSET, LibraryTargetSuite
 from tracekit.llm.base import ChatResponse
 from tracekit.rollout import read_trajectories, run_rollouts
-from tracekit.stages import TRAIN_SEED_OFFSET, build_suite, synthesis_target
+from tracekit.runs import TRAIN_SEED_OFFSET, synthesis_target
+from tracekit.wiring import build_suite
 from tracekit.types import LabelValue, Message
 
 ENVS = ["tau2_tool_calling_precision", "tau2_precondition_verification"]
@@ -70,7 +72,7 @@ def test_config_builds_the_target_and_checks_it(make_cfg):
 def test_zero_update_adapter_is_detected_from_its_weights(tmp_path):
     from safetensors.torch import save_file
 
-    from tracekit.stages import is_zero_update
+    from tracekit.runs import is_zero_update
 
     A = {"m.q_proj.lora_A.weight": torch.randn(4, 8), "m.v_proj.lora_A.weight": torch.randn(4, 8)}
     save_file({**A, "m.q_proj.lora_B.weight": torch.zeros(8, 4), "m.v_proj.lora_B.weight": torch.zeros(8, 4)},

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.llm.constrained import identifier_candidates, structural_tag, tighten_tools
 from tracekit.types import Message
 
@@ -72,11 +73,11 @@ def test_compiled_grammars_are_bounded(monkeypatch):
 
 
 def test_agent_engine_takes_the_agents_decoding(make_cfg):
-    from tracekit.stages import AGENT_ENGINE_READS, _engine_spec
+    from tracekit.wiring import AGENT_ENGINE_READS, engine_spec
 
-    spec = _engine_spec(make_cfg())  # the embedded default trains with grpo.engine=agent
+    spec = engine_spec(make_cfg())  # the embedded default trains with grpo.engine=agent
     assert spec == {"kind": "agent", "constrained_tool_calls": True, "tool_choice": "required", "copy_ids": True,
                     "max_batch_size": 8, "prefix_cache_mib": 1024.0}
     assert "agent.copy_ids" in AGENT_ENGINE_READS  # a change of the agent's decoding retrains the adapters
     assert "agent.prefix_cache_mib" in AGENT_ENGINE_READS  # reused K/V round differently: in the key too
-    assert _engine_spec(make_cfg("grpo.engine=hf")) == {"kind": "hf"}
+    assert engine_spec(make_cfg("grpo.engine=hf")) == {"kind": "hf"}

@@ -12,7 +12,7 @@ from tracekit.rl.engines import HFEngine, sample_completions
 from tracekit.llm.decoding import FastDecoder, PlainSession, filter_top_p, open_session, sample_step, unsupported_reason
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
-from tracekit.rl.trainer import build_peft_model
+from tracekit.rl.model import build_peft_model
 from tracekit.types import Message
 
 PROMPTS = [list(range(5, 40)), list(range(50, 62)), [7, 8], list(range(100, 190))]
@@ -271,7 +271,7 @@ def test_compile_backend_failure_falls_back_to_eager(tok, monkeypatch, caplog):
     import torch._inductor.config as inductor_config
 
     from tracekit.llm.decoding import causal_lm_of
-    from tracekit.rl.trainer import sequence_logprobs, set_activation_checkpointing
+    from tracekit.rl.model import sequence_logprobs, set_activation_checkpointing
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached artifact would need no compiler

@@ -434,35 +434,35 @@ def test_load_backbone_drops_registered_model_caches_first():
 def test_stage_clients_are_dropped_when_a_stage_loads_its_own_backbone(make_cfg):
     """The agent's cached client (the rollout stage's) leaves the cache when training loads its model;
     building a client never drops another role's."""
-    from tracekit import stages
+    from tracekit import wiring
 
     cfg = make_cfg("backbone=tiny", "backbone.device=cpu")
-    stages._CLIENTS.clear()
+    wiring._CLIENTS.clear()
     try:
-        agent = stages.client_for(cfg, "agent")
-        assert stages.client_for(cfg, "agent") is agent and len(stages._CLIENTS) == 1
-        stages._CLIENTS["remote"] = type("Remote", (), {"name": "openai"})()  # holds no model: kept
+        agent = wiring.client_for(cfg, "agent")
+        assert wiring.client_for(cfg, "agent") is agent and len(wiring._CLIENTS) == 1
+        wiring._CLIENTS["remote"] = type("Remote", (), {"name": "openai"})()  # holds no model: kept
         load_backbone("tiny")  # e.g. the train stage's model
-        assert list(stages._CLIENTS) == ["remote"]
-        assert stages.client_for(cfg, "agent") is not agent  # built afresh when asked again
+        assert list(wiring._CLIENTS) == ["remote"]
+        assert wiring.client_for(cfg, "agent") is not agent  # built afresh when asked again
     finally:
-        stages._CLIENTS.clear()
+        wiring._CLIENTS.clear()
 
 
 def test_release_client_frees_one_role_and_keeps_the_others(make_cfg):
     """GEPA's reflection LM (llm=local: an in-process model beside the agent's) leaves the cache when its run ends."""
     import weakref
 
-    from tracekit import stages
+    from tracekit import wiring
 
     cfg = make_cfg("backbone=tiny", "backbone.device=cpu", "llm=local")
-    stages._CLIENTS.clear()
+    wiring._CLIENTS.clear()
     try:
-        agent = stages.client_for(cfg, "agent")
-        reflection = weakref.ref(stages.client_for(cfg, "analysis").model)
-        assert len(stages._CLIENTS) == 2
-        stages.release_client(cfg, "analysis")
-        assert list(stages._CLIENTS.values()) == [agent] and reflection() is None  # its model is freed
-        stages.release_client(cfg, "analysis")  # not cached: nothing to do
+        agent = wiring.client_for(cfg, "agent")
+        reflection = weakref.ref(wiring.client_for(cfg, "analysis").model)
+        assert len(wiring._CLIENTS) == 2
+        wiring.release_client(cfg, "analysis")
+        assert list(wiring._CLIENTS.values()) == [agent] and reflection() is None  # its model is freed
+        wiring.release_client(cfg, "analysis")  # not cached: nothing to do
     finally:
-        stages._CLIENTS.clear()
+        wiring._CLIENTS.clear()

@@ -10,7 +10,7 @@ import torch
 from tracekit.llm.decoding import FastDecoder, causal_lm_of, generate
 from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason, grouped_mm, touched_experts_fraction
 from tracekit.rl.settings import LoraSettings
-from tracekit.rl.trainer import build_peft_model
+from tracekit.rl.model import build_peft_model
 
 PROMPTS = [list(range(5, 40)), list(range(50, 62)), [7, 8]]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -12,9 +12,10 @@ import torch
 import yaml
 
 from tracekit.artifacts import StageCache
-from tracekit.config import ConfigError, validate
-from tracekit.methods import METHODS, Budget
-from tracekit.methods.base import grpo_budget
+from tracekit.config import ConfigError
+from tracekit.validate import validate
+from tracekit.methods import METHODS
+from tracekit.policy import Budget, grpo_budget
 from tracekit.methods.consolidate import STRATEGIES, read_consolidated, write_consolidated
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +162,7 @@ def test_equal_shape_merges_refuse_different_ranks_naming_both_adapters(make_cfg
 
 
 def test_multi_grpo_matches_the_episodes_the_capability_runs_spent(make_cfg):
-    from tracekit.methods.target_train import matched_iterations
+    from tracekit.runs import matched_iterations
 
     cfg = make_cfg("experiment=smoke")  # 2 iterations x 2 groups x 2 rollouts per capability
     assert matched_iterations(cfg, 3 * 2 * 2 * 2) == 6  # 3 runs that ran their plan

@@ -10,7 +10,7 @@ import torch
 from tracekit.llm.decoding import FastDecoder, causal_lm_of, generate
 from tracekit.llm.moe_experts import FusedExperts
 from tracekit.rl.settings import LoraSettings
-from tracekit.rl.trainer import build_peft_model
+from tracekit.rl.model import build_peft_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -12,7 +12,7 @@ from tracekit.llm.decoding import causal_lm_of
 from tracekit.llm.moe_experts import _Combine, _Dispatch, lora_experts_reason
 from tracekit.rl.fused import set_fused_experts, set_fused_update_kernels
 from tracekit.rl.settings import LoraSettings
-from tracekit.rl.trainer import build_peft_model, set_activation_checkpointing
+from tracekit.rl.model import build_peft_model, set_activation_checkpointing
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

@@ -10,7 +10,7 @@ import torch
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.rl.fused import set_fused_experts
 from tracekit.rl.settings import LoraSettings
-from tracekit.rl.trainer import build_peft_model, set_activation_checkpointing
+from tracekit.rl.model import build_peft_model, set_activation_checkpointing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

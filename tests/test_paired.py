@@ -17,7 +17,6 @@ from tracekit.paired import (
     paired_bootstrap_ci,
     paired_outcomes,
     paired_summary,
-    paired_vs_base,
     required_n,
     task_of,
 )

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from tracekit.config import validate
+from tracekit.validate import validate
 from tracekit.reproduce.paper import cuts, setting_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def test_readme_paper_setting_command_runs_the_papers_setting(make_cfg):
 
 
 def test_readme_gold_replay_command_replays_all_164_tasks(make_cfg):
-    from tracekit.stages import build_suite
+    from tracekit.wiring import build_suite
 
     overrides = _readme_command("gold replay")
     c = make_cfg(*overrides)

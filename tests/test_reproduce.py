@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tracekit.reproduce import render
-from tracekit.reproduce.spec import (COLUMNS, SpecError, find_spec, load_spec, merge_overrides, plan, spec_paths)
+from tracekit.reproduce.spec import (COLUMNS, find_spec, load_spec, merge_overrides, plan, spec_paths)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER_ITEMS = {*(f"table{i}" for i in range(1, 9)), "figure3", "figure4a", "figure4b", "figure5"}

@@ -23,7 +23,7 @@ from tracekit.rl.distill import (
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.tokens import PolicyRow
 from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
-from tracekit.rl.trainer import build_peft_model
+from tracekit.rl.model import build_peft_model
 from tracekit.synthesis.mixture import MixtureSuite
 
 LORA = LoraSettings(rank=4, alpha=8)

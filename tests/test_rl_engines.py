@@ -14,12 +14,10 @@ from tracekit.rl.engines import (
     ClientEngine,
     Completion,
     PolicyChat,
-    VLLMEngine,
-    VLLMSettings,
-    parse_vllm_choice,
     sample_completions,
 )
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
+from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings, parse_vllm_choice
 from tracekit.types import Message
 
 
@@ -101,7 +99,8 @@ def test_client_engine_with_the_agents_hf_chat_client(tok):
     from tracekit.rl.episodes import EpisodeSpec, run_episodes
     from tracekit.rl.tokens import Turn, collate, rows_for_trajectory
     from tracekit.rl.toy import KeywordSuite
-    from tracekit.rl.trainer import LoraSettings, build_peft_model, sequence_logprobs
+    from tracekit.rl.model import build_peft_model, sequence_logprobs
+    from tracekit.rl.settings import LoraSettings
 
     model = build_peft_model(tiny_model(len(tok), seed=4), LoraSettings(rank=4, alpha=8), seed=0)
     eng = ClientEngine(HFChatClient(model, tok, chat_format="qwen3", max_batch_size=8))
@@ -194,7 +193,8 @@ def test_vllm_engine_real_server(tmp_path):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from tracekit.rl.trainer import LoraSettings, build_peft_model
+    from tracekit.rl.model import build_peft_model
+    from tracekit.rl.settings import LoraSettings
 
     tok = tiny_tokenizer()
     base = tiny_model(len(tok), seed=0)

@@ -11,7 +11,8 @@ from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.toy import tiny_model
 from tracekit.llm.decoding import causal_lm_of
-from tracekit.rl.trainer import build_peft_model, selective_checkpoint_context, sequence_logprobs, set_activation_checkpointing
+from tracekit.rl.model import (build_peft_model, selective_checkpoint_context, sequence_logprobs,
+                               set_activation_checkpointing)
 
 VOCAB = 384
 

@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 
-from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
 from tracekit.rl import grpo
-from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer, LoraSettings, sequence_logprobs
+from tracekit.rl.model import sequence_logprobs
+from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
+from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer
 from tracekit.types import Message, Task, stable_hash
 
 HEALTH = ["entropy", "logprob_gap_mean", "logprob_gap_abs", "kl_ref", "informative_groups", "clip_frac", "grad_norm",

@@ -8,8 +8,16 @@ import glob
 import pytest
 import torch
 
-from tracekit.rl.launch import Factory, LauncherSettings, TrainSpec, deepspeed_config, launch_command, train
-from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
+from tracekit.rl.launch import (
+    Factory,
+    LauncherSettings,
+    TrainSpec,
+    deepspeed_config,
+    launch_command,
+    train,
+)
+from tracekit.rl.settings import LoraSettings
+from tracekit.rl.trainer import GRPOSettings, GRPOTrainer
 
 
 def _spec(out, **kw) -> TrainSpec:
@@ -113,7 +121,7 @@ def test_agent_engine_samples_with_the_agents_constrained_client(tmp_path):
     # grpo.engine=agent: the rollout engine is the evaluated agent's chat client (its grammar) on the live model
     from tracekit.rl.engines import ClientEngine
     from tracekit.rl.launch import _engine_factory, run_training
-    from tracekit.rl.trainer import Dist
+    from tracekit.rl.model import Dist
 
     options = {"kind": "agent", "constrained_tool_calls": False, "tool_choice": "auto", "copy_ids": False,
                "max_batch_size": 4}

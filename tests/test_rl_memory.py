@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
+from tracekit.rl.settings import LoraSettings
 from tracekit.rl.tokens import Turn, pack_microbatches, rows_for_trajectory
-from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
+from tracekit.rl.trainer import GRPOSettings, GRPOTrainer
 from tracekit.types import Message, Task
 
 

@@ -13,7 +13,7 @@ from tracekit.rl.settings import LoraSettings
 from tracekit.rl.sft import SFT_METRIC_COLUMNS, SFTSettings, lr_at, masked_nll, sft_examples, train_sft
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
-from tracekit.rl.trainer import build_peft_model
+from tracekit.rl.model import build_peft_model
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,17 @@ import torch
 
 from tracekit.rl.engines import Completion, HFEngine, PolicyChat
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
-from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches, rows_for_trajectory
+from tracekit.rl.model import build_peft_model, sequence_logprobs
+from tracekit.rl.settings import LoraSettings
+from tracekit.rl.tokens import (
+    PolicyRow,
+    Turn,
+    build_rows,
+    collate,
+    pack_microbatches,
+    rows_for_trajectory,
+)
 from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
-from tracekit.rl.trainer import build_peft_model, sequence_logprobs, LoraSettings
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
-from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer, LoraSettings
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
+from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
+from tracekit.rl.trainer import METRIC_COLUMNS, GRPOSettings, GRPOTrainer
 from tracekit.types import Message, Task
 
 
@@ -196,7 +197,8 @@ _KILL_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
 from tracekit.rl.toy import tiny_model, tiny_tokenizer, KeywordSuite
-from tracekit.rl.trainer import GRPOSettings, GRPOTrainer, LoraSettings
+from tracekit.rl.trainer import GRPOSettings, GRPOTrainer
+from tracekit.rl.settings import LoraSettings
 tok = tiny_tokenizer()
 s = GRPOSettings(iterations=6, groups=4, group_size=8, max_new_tokens=16, max_steps=2, lr=1e-2, num_minibatches=2,
                  checkpoint_every=2, lora=LoraSettings(rank=4, alpha=8, dropout=0.1), seed=0, save_rollouts="none")
@@ -230,7 +232,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
 def test_lora_on_fused_moe_experts_via_target_parameters():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from tracekit.rl.trainer import build_peft_model
+    from tracekit.rl.model import build_peft_model
 
     cfg = Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,

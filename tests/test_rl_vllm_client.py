@@ -21,7 +21,7 @@ import torch
 from tracekit.llm.base import ChatRequest, EndpointError
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
-from tracekit.rl.trainer import build_peft_model
+from tracekit.rl.model import build_peft_model
 from tracekit.rl.vllm_client import VLLMEngine, VLLMServer, VLLMSettings, parse_vllm_choice
 from tracekit.types import Message
 

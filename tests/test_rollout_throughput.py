@@ -172,7 +172,7 @@ def test_a_rollout_is_the_same_with_either_host_step(make_cfg, tmp_path):
     """The default experiment's decoding (grammar, tool_choice=required, copy_ids, prefix cache) on the tiny
     backbone over tau2_mini episodes: the same trajectories, turn token ids and log-probs included."""
     from tracekit.rollout import read_trajectories, run_rollouts
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import build_agent, build_suite
 
     cfg = make_cfg("backbone=tiny", "benchmark.limit=1", "eval.max_steps=2")
     suite, agent = build_suite(cfg), build_agent(cfg)
@@ -354,7 +354,7 @@ def test_benchmark_moe_arm_decodes_on_the_fast_path_and_ratios(make_cfg, tmp_pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import rollout_throughput as rt
 
-    from tracekit.stages import build_agent, build_suite
+    from tracekit.wiring import build_agent, build_suite
 
     cfg = make_cfg("backbone=tiny", "benchmark.limit=1")
     agent = build_agent(cfg, moe=str(rt.random_moe(cfg, tmp_path, adapters=2)))

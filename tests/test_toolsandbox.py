@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.envs.toolsandbox import INSTALL_STEP, missing_environment
 from tracekit.targets import (
     kind_of_env,
@@ -160,11 +161,8 @@ def _run(suite, agent, out, **kw):
 @needs_venv
 def test_real_scenarios_tools_and_prompt(suite):
     from tracekit.synthesis.library import LIBRARY_NAMES, library_env
-    from tracekit.synthesis.targets import (
-        TOOLSANDBOX_SYSTEM_PROMPT,
-        schema_mismatch,
-        target_tools,
-    )
+    from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT
+    from tracekit.synthesis.targets import schema_mismatch, target_tools
 
     rows = suite.server.request("scenarios", variants=[])
     assert len(rows) == 129 and all(r["base"] for r in rows)

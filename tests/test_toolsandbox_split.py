@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tracekit.config import ConfigError, validate
+from tracekit.config import ConfigError
+from tracekit.validate import validate
 from tracekit.envs.toolsandbox import missing_environment
 from tracekit.targets import target
 from tracekit.targets.toolsandbox import (

@@ -31,9 +31,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import StageCache, atomic_write_text, unwritable
-from tracekit.config import (USER_ERRORS, ConfigError, interpolation_message, needed_endpoints, probe_endpoints,
-                             register_configs, validate)
-from tracekit.report.logging import log_traceback_to_file
+from tracekit.config import USER_ERRORS, ConfigError, interpolation_message, register_configs
+from tracekit.llm.backbones import cache_root
+from tracekit.pipeline import RunRecord
+from tracekit.report.logging import RunLogger, log_traceback_to_file
+from tracekit.reproduce.paper import cuts, cuts_dict, setting_line, setting_markdown
+from tracekit.stages import build_pipeline
+from tracekit.validate import needed_endpoints, probe_endpoints, validate
 
 log = logging.getLogger("tracekit")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -87,8 +91,6 @@ def _signal_name(e: KeyboardInterrupt) -> str:
 
 def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException | None = None) -> None:
     """The run's Markdown summary: its status, stages (cache hits or computed) and each stage's report."""
-    from tracekit.reproduce.paper import setting_markdown
-
     status = (f"interrupted ({_signal_name(failure)}): finished artifacts are kept, an unfinished one resumes on the "
               "next run" if isinstance(failure, KeyboardInterrupt)
               else f"failed ({describe(failure)})" if failure else "ok")
@@ -103,11 +105,6 @@ def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException
 
 
 def run(cfg: DictConfig) -> None:
-    from tracekit.pipeline import RunRecord
-    from tracekit.report.logging import RunLogger
-    from tracekit.reproduce.paper import cuts, cuts_dict, setting_line
-    from tracekit.stages import build_pipeline
-
     log.info(setting_line(cfg))  # the first line: the preset, and every value that differs from the paper's
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -174,10 +171,6 @@ def disk_error(e: BaseException | None) -> tuple[str, str | None] | None:
 
 
 def _model_cache() -> str | None:
-    try:
-        from tracekit.llm.backbones import cache_root
-    except ImportError:
-        return None
     return str(cache_root())
 
 

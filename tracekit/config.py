@@ -1,37 +1,29 @@
-"""Structured configs (types for every Hydra group) and value checks that run before any work.
+"""Structured configs (types for every Hydra group), :class:`ConfigError` and the helpers that read a config
+without the registries: the pinned dictionary, the evaluation target's config, an interpolation's message.
 
 Hydra composes ``conf/config.yaml`` over the ``Config`` schema registered here, so a typo'd key or a
-wrongly typed value fails at composition. A ``+key=value`` override adds keys even in struct mode
-(Hydra applies it with ``force_add``), so :func:`validate` walks the composed config against the
-schema again, checks every value against its range (``RANGES``) or choices (``CHOICES``) and the
-cross-field rules, and raises :class:`ConfigError` with one line naming the key and what is valid.
-Open groups are the schema's ``dict[str, Any]`` fields (``backbone.arch``, ``grpo.vllm``);
-``llm.endpoints`` takes any name, each entry an :class:`EndpointConfig`.
+wrongly typed value fails at composition. The value checks (ranges, choices, cross-field rules, each target's and
+method's own) are :func:`tracekit.validate.validate`. Open groups are the schema's ``dict[str, Any]`` fields
+(``backbone.arch``, ``grpo.vllm``); ``llm.endpoints`` takes any name, each entry an :class:`EndpointConfig`.
 """
 
 from __future__ import annotations
 
-import operator
 import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
+from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
-from tracekit.coding.config import CHOICES as CODING_CHOICES
-from tracekit.coding.config import RANGES as CODING_RANGES
-from tracekit.coding.config import CodingBenchmarkConfig
 from tracekit.rl.distill import DistillSettings
-from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
+from tracekit.rl.settings import GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
-
-
 
 
 class ConfigError(ValueError):
@@ -40,6 +32,28 @@ class ConfigError(ValueError):
 
 # failures the user fixes from the message alone: `python -m tracekit` prints it as one line (no traceback)
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CorruptArtifact)
+
+
+@dataclass
+class CodingBenchmarkConfig:
+    package: str = "toolz"  # an installed pure-Python distribution that ships its tests
+    seed: int = 0  # the tasks' seed (bug choice, split); the benchmark does not move with the master seed
+    modifiers: list[str] = field(default_factory=list)  # swesmith modifier names; empty: all 13 Python ones
+    max_per_modifier: int = 3
+    max_candidates_per_modifier: int = 8
+    heldout_fraction: float = 0.5
+    test_wall_seconds: float = 60.0
+    test_cpu_seconds: int = 60
+    command_wall_seconds: float = 30.0  # the agent's bash tool, per command
+    command_cpu_seconds: int = 30
+    command_memory_mb: int = 2048
+    command_processes: int = 128
+    output_chars: int = 4000
+    model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
+    # kind=swebench
+    dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
+    repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
+    max_workers: int = 4  # the harness's parallel containers
 
 
 @dataclass
@@ -58,7 +72,7 @@ class BenchmarkConfig:
     train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned in ([]: evaluated)
     train_split: str | None = None  # kind=toolsandbox: heldout | eval (tracekit/targets/toolsandbox.py); None: heldout
     train_seed: int | None = None  # kind=toolsandbox: the heldout split's seed (None: 0)
-    coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py)
+    coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py: ranges, checks, suites)
 
 
 @dataclass
@@ -147,7 +161,7 @@ class GrpoConfig(GRPOSettings):
     """The trainer's settings plus the rollout engine (hf in process | vllm server with LoRA sync)."""
 
     engine: str = "hf"
-    vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.engines.VLLMSettings fields
+    vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.vllm_client.VLLMSettings fields
 
     def settings(self) -> GRPOSettings:
         return GRPOSettings(**{k: getattr(self, k) for k in GRPOSettings.__dataclass_fields__})
@@ -360,286 +374,15 @@ class Config:
 def register_configs() -> None:
     ConfigStore.instance().store(name="tracekit_schema", node=Config)
 
-
-# every numeric field's valid range ("[a, b]", "(a, b]", "> a", ">= a"; null passes where the field is
-# optional; a list field: each element)
-RANGES: dict[str, str] = {
-    "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
-    "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
-    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": ">= 0",
-    "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
-    "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
-    "analysis.temperature": "[0, 2]", "analysis.capabilities_per_call": ">= 0", "analysis.max_retries": ">= 0",
-    "analysis.compact_chars": ">= 200", "analysis.label_noise": "[0, 0.5]", "analysis.examples_per_capability": ">= 0",
-    "analysis.chunk_size": ">= 1", "analysis.min_capabilities": ">= 1", "analysis.max_capabilities": ">= 1",
-    "analysis.max_new_tokens": ">= 1",
-    "synthesis.repair_rounds": ">= 0", "synthesis.mutation_rounds": ">= 0", "synthesis.validation_seeds": ">= 1",
-    "synthesis.calibration_seeds": ">= 1", "synthesis.calibration_k": ">= 2", "synthesis.target_low": "[0, 1]",
-    "synthesis.target_high": "[0, 1]", "synthesis.min_informative": "[0, 1]", "synthesis.difficulty": ">= 0",
-    "synthesis.cpu_seconds": ">= 1", "synthesis.wall_seconds": ">= 1", "synthesis.memory_mb": ">= 256",
-    "grpo.iterations": ">= 1", "grpo.groups": ">= 1", "grpo.group_size": ">= 2", "grpo.temperature": "> 0",
-    "grpo.top_p": "(0, 1]", "grpo.max_new_tokens": ">= 1", "grpo.max_steps": ">= 1", "grpo.max_prompt_tokens": ">= 256",
-    "grpo.clip_eps": "(0, 1)", "grpo.clip_eps_high": "> 0", "grpo.adv_eps": "> 0", "grpo.kl_beta": ">= 0",
-    "grpo.tis_cap": ">= 1", "grpo.max_resample_rounds": ">= 0", "grpo.lr": "> 0", "grpo.betas": "[0, 1)",
-    "grpo.weight_decay": ">= 0", "grpo.grad_clip": ">= 0", "grpo.epochs": ">= 1", "grpo.num_minibatches": ">= 1",
-    "grpo.microbatch_tokens": ">= 1", "grpo.logprob_chunk": ">= 1", "grpo.rollout_batch_size": ">= 1",
-    "grpo.seed": ">= 0", "grpo.checkpoint_every": ">= 1", "grpo.keep_checkpoints": ">= 1",
-    "grpo.early_stop_patience": ">= 0", "grpo.early_stop_min_delta": ">= 0",
-    "grpo.lora.rank": ">= 1", "grpo.lora.alpha": "> 0", "grpo.lora.dropout": "[0, 1)",
-    "moe.lambda_lb": ">= 0", "moe.top_k": ">= 1", "moe.train_top_k": ">= 1", "moe.gate_init_std": ">= 0",
-    "moe.lr": "> 0", "moe.weight_decay": ">= 0", "moe.max_grad_norm": ">= 0", "moe.steps": ">= 1",
-    "moe.batch_size": ">= 1", "moe.ce_chunk": ">= 1", "moe.trajectories_per_capability": ">= 1",
-    "llm.endpoints.*.timeout_s": "> 0", "llm.endpoints.*.max_retries": ">= 0", "llm.endpoints.*.concurrency": ">= 1",
-    "eval.temperature": ">= 0", "eval.seeds": ">= 0", "eval.max_steps": ">= 1", "eval.context_budget": ">= 256",
-    "launcher.nproc": ">= 1", "launcher.master_port": "[1, 65535]", "launcher.concurrent_runs": ">= 1",
-    "consolidation.budget.episodes": ">= 1", "consolidation.merge.weights": "[-10, 10]",
-    "consolidation.merge.density": "(0, 1]", "consolidation.merge.rank": ">= 1", "consolidation.merge.lam": "> 0",
-    "consolidation.core_tsv.lam": "> 0", "consolidation.core_tsv.density": "(0, 1]",
-    **{f"consolidation.{g}.{k}": v for g in ("sft", "distill") for k, v in {
-        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
-        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
-        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)"}.items()},
-    "consolidation.sft.epochs": ">= 1", "consolidation.sft.batch_size": ">= 1", "consolidation.sft.warmup_ratio": "[0, 1)",
-    "consolidation.distill.iterations": ">= 1", "consolidation.distill.groups": ">= 1",
-    "consolidation.distill.samples_per_task": ">= 1", "consolidation.distill.temperature": "> 0",
-    "consolidation.distill.top_p": "(0, 1]", "consolidation.distill.kl_coef": "> 0",
-    "consolidation.distill.max_new_tokens": ">= 1", "consolidation.distill.max_steps": ">= 1",
-    "consolidation.distill.max_prompt_tokens": ">= 256", "consolidation.distill.num_minibatches": ">= 1",
-    "consolidation.distill.rollout_batch_size": ">= 1",
-    "baselines.grpo_target.episodes": ">= 1", "baselines.grpo_target.train_limit": ">= 1",
-    "baselines.grpo_target.checkpoint_iterations": ">= 1",
-    "baselines.swe_rl.episodes": ">= 1", "baselines.swe_rl.train_limit": ">= 1",
-    "baselines.swe_rl.checkpoint_iterations": ">= 1",
-    **CODING_RANGES,  # benchmark.coding.* (tracekit/coding/config.py)
-    "baselines.gepa.max_metric_calls": ">= 1", "baselines.gepa.reflection_minibatch_size": ">= 1",
-    "baselines.gepa.valset_size": ">= 1", "baselines.gepa.train_limit": ">= 2",
-    "baselines.gepa.reflection_temperature": "[0, 2]", "baselines.gepa.reflection_max_new_tokens": ">= 1",
-    "baselines.untargeted_synthetic.episodes": ">= 1",
-    **{f"baselines.adp_sft.{k}": v for k, v in {
-        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
-        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
-        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)", "epochs": ">= 1", "batch_size": ">= 1",
-        "warmup_ratio": "[0, 1)", "max_records": ">= 1", "max_tokens": ">= 16"}.items()},
-    "seed": ">= 0",
-}
-
-
-def _library_names() -> tuple[str, ...]:
-    from tracekit.synthesis.library import LIBRARY_NAMES
-
-    return LIBRARY_NAMES
-
-
-def _benchmark_names() -> tuple[str, ...]:
-    return tuple(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "benchmark").glob("*.yaml")))
-
-
-def _target_domains() -> tuple[str, ...]:
-    # tau^2's domains (tracekit.envs.tau2.DOMAINS: importing it loads tau2, seconds) and ToolSandbox's scenario sets
-    from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX
-    from tracekit.targets.tau2 import TAU2_DOMAINS
-
-    return (*TAU2_DOMAINS, *TOOLSANDBOX)
-
-
-def _toolsandbox_variants() -> tuple[str, ...]:
-    from tracekit.envs.toolsandbox import VARIANTS
-
-    return VARIANTS
-
-
-def _toolsandbox_train_splits() -> tuple[str, ...]:
-    from tracekit.targets.toolsandbox import TRAIN_SPLITS
-
-    return tuple(TRAIN_SPLITS)
-
-
-def _stage_names() -> tuple[str, ...]:
-    from tracekit.stages import build_pipeline
-
-    return tuple(build_pipeline().stages)
-
-
-def _method_names() -> tuple[str, ...]:
-    from tracekit.methods import METHODS
-
-    return tuple(METHODS)
-
-
-def _strategy_names() -> tuple[str, ...]:
-    from tracekit.methods.consolidate import STRATEGIES
-
-    return tuple(STRATEGIES)
-
-
-def _scale_names() -> tuple[str, ...]:
-    return ("none", *sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "scale").glob("*.yaml")))
-
-
-def _backbone_names() -> tuple[str, ...]:
-    return tuple(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "backbone").glob("*.yaml")))
-
-
-def _chat_formats() -> tuple[str, ...]:
-    from tracekit.llm.tools import CHAT_FORMATS
-
-    return CHAT_FORMATS
-
-
-# every string field with a fixed set of values: a tuple, a function giving one (imported when used), or a
-# regular expression; the other strings are names, paths and URLs
-CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
-    "benchmark.kind": ("tau2", "synthetic", "toolsandbox", "coding", "swebench"),  # tracekit.targets (+ issue 20's)
-    "benchmark.domains": _target_domains,  # which go with which kind: the target's validate()
-    "benchmark.train_domains": _toolsandbox_variants,  # ToolSandbox's variants learned from (the target's validate())
-    "benchmark.train_split": _toolsandbox_train_splits,  # ToolSandbox's training split (tracekit/targets/toolsandbox.py)
-    "benchmark.split": ("train", "test", "base"),
-    "benchmark.policy": ("full",),
-    "benchmark.envs": _library_names,
-    **CODING_CHOICES,  # benchmark.coding.modifiers: swesmith's Python modifiers
-    "backbone.source": ("random", "gguf", "hub"),
-    "backbone.chat_format": _chat_formats,
-    "backbone.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "backbone.device": r"auto|cpu|mps|cuda(:\d+)?",
-    "agent.kind": ("llm", "gold"),
-    "agent.tool_choice": ("auto", "required"),
-    "user.kind": ("scripted", "llm"),
-    "thresholds.undefined_er_pos": ("zero", "unselectable"),
-    "analysis.discovery": ("reference", "llm", "pinned"),
-    "analysis.labeler": ("reference", "llm"),
-    "analysis.on_missing": ("skip", "fail"),
-    "synthesis.source": ("library", "generate"),
-    "grpo.old_logprobs": ("rollout", "recompute"),
-    "grpo.checkpoint_policy": ("full", "selective"),
-    "grpo.rollout_fast": ("auto", "on", "off"),
-    "grpo.dtype": ("auto", "float32", "bfloat16"),
-    "grpo.save_rollouts": ("none", "messages", "full"),
-    "grpo.engine": ("hf", "agent", "vllm"),
-    "moe.impl": ("grouped", "grouped_mm", "masked_dense"),
-    "moe.gate_data": ("successes", "all"),
-    "consolidation.method": _strategy_names,
-    "consolidation.merge.majority_sign": ("total", "frequency"),
-    "consolidation.core_tsv.majority_sign": ("total", "frequency"),
-    "consolidation.core_tsv.rank_policy": ("full", "truncate"),
-    "consolidation.sft.data": ("successes", "all"),
-    "consolidation.sft.schedule": ("linear", "constant"),
-    "consolidation.sft.dtype": ("auto", "float32", "bfloat16"),
-    "consolidation.distill.rollout_fast": ("auto", "on", "off"),
-    "consolidation.distill.dtype": ("auto", "float32", "bfloat16"),
-    "consolidation.distill.save_rollouts": ("none", "messages", "full"),
-    "llm.endpoints.*.kind": ("hf", "openai"),
-    "eval.mode": ("greedy", "stochastic"),
-    "eval.benchmark": _benchmark_names,  # a conf/benchmark name (evaluation on another target, Table 8)
-    "scale.name": _scale_names,
-    "scale.backbone": _backbone_names,
-    "eval.methods": _method_names,
-    "logger.kind": ("wandb", "none"),
-    "logger.mode": ("offline", "online", "disabled"),
-    "launcher.kind": KINDS,
-    "launcher.command": ("torchrun", "deepspeed"),
-    "stages": _stage_names,
-    "baselines.gepa.endpoint": r"[A-Za-z_][\w\-]*",  # a key of llm.endpoints (checked in validate())
-    "baselines.gepa.candidate_selection": ("pareto", "current_best", "epsilon_greedy", "top_k_pareto"),
-    "baselines.gepa.module_selector": ("round_robin", "all"),
-    "baselines.untargeted_synthetic.envs_dir": r".+",  # a folder of environment packages (checked in validate())
-    "baselines.adp_sft.data": r"(hf://[\w.\-]+/[\w.\-]+(/[\w.\-/]+)?|[^:]+|[A-Za-z]:.+)",  # paths or hub ids
-    "baselines.adp_sft.schedule": ("linear", "constant"),
-    "baselines.adp_sft.dtype": ("auto", "float32", "bfloat16"),
-    "baselines.adp_sft.lora.target_modules": r"[\w.\-*]+",
-    "baselines.adp_sft.lora.target_parameters": r"[\w.\-*]+",
-}
-
-_BOUND_OPS = {">": operator.gt, ">=": operator.ge}
-
-
-def _in_range(x: float, spec: str) -> bool:
-    if spec[0] in "[(":
-        lo, hi = (float(v) for v in spec[1:-1].split(","))
-        return (lo <= x if spec[0] == "[" else lo < x) and (x <= hi if spec[-1] == "]" else x < hi)
-    op, bound = spec.split()
-    return _BOUND_OPS[op](x, float(bound))
-
-
 def _check(ok: bool, key: str, value: Any, valid: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: must be {valid}")
 
 
-def _check_leaf(key: str, pattern: str, value: Any) -> None:
-    for item in value if isinstance(value, ListConfig) else [value]:
-        if item is None:
-            continue
-        if pattern in RANGES:
-            spec = RANGES[pattern]
-            _check(_in_range(item, spec), key, item, spec if spec[0] in "<>" else f"in {spec}")
-        elif isinstance(rule := CHOICES[pattern], str):
-            _check(re.fullmatch(rule, item) is not None, key, item, f"of the form {rule}")
-        else:
-            options = rule() if callable(rule) else rule
-            _check(item in options, key, item, "one of " + ", ".join(options))
-
-
-def _leaves(node: DictConfig, schema: type, key: str = "",
-            pattern: str = "") -> Iterator[tuple[str, str, DictConfig, str]]:
-    """(key, its pattern in RANGES/CHOICES, parent node, name) of every leaf of ``node``; a key the schema lacks
-    (Hydra's ``+key=value`` adds keys even in struct mode) raises ConfigError. ``dict[str, Any]`` fields are
-    open; a ``dict[str, <dataclass>]`` field takes any name, each entry checked against the dataclass."""
-    fields = get_type_hints(schema)
-    for name in node:
-        k, p = f"{key}{name}", f"{pattern}{name}"
-        if name not in fields:
-            raise ConfigError(f"unknown key {k} (valid: {', '.join(fields)})")
-        hint = fields[name]
-        if is_dataclass(hint):
-            yield from _leaves(node[name], hint, f"{k}.", f"{p}.")
-        elif get_origin(hint) is dict and is_dataclass(entry := get_args(hint)[1]):
-            for entry_name in node[name]:
-                yield from _leaves(node[name][entry_name], entry, f"{k}.{entry_name}.", f"{p}.*.")
-        else:
-            yield k, p, node, name
-
-
-ENDPOINT_KEYS = ("user.endpoint", "analysis.endpoint", "synthesis.endpoint",
-                 "baselines.gepa.endpoint")  # the keys naming an endpoint
-
-
-def needed_endpoints(cfg: DictConfig, stage: str) -> list[str]:
-    """The names of the ``llm.endpoints`` entries ``stage`` calls when it computes: those its reads name."""
-    from tracekit.stages import build_pipeline
-
-    prefix = "llm.endpoints."
-    return [r[len(prefix):] for r in build_pipeline().reads(cfg, stage) if r.startswith(prefix)]
-
-
-PROBE_TIMEOUT_S = 3.0
-
-
-def probe_endpoints(cfg: DictConfig, roles: Iterable[str]) -> None:
-    """Ask each openai endpoint among ``roles`` for ``<base_url>/models`` with a short timeout (hf endpoints run
-    in process: nothing to ask); ConfigError naming the endpoint, its URL and the error on the first that fails."""
-    from tracekit.llm.base import EndpointError
-    from tracekit.llm.openai import OpenAIChatClient
-
-    for role in dict.fromkeys(roles):
-        ep = cfg.llm.endpoints[role]
-        if ep.kind != "openai":
-            continue
-        try:
-            client = OpenAIChatClient(ep.base_url, ep.model, connect_timeout_s=PROBE_TIMEOUT_S,
-                                      **({"api_key_env": ep.api_key_env} if ep.api_key_env else {}))
-            try:
-                client.check()
-            finally:
-                client.close()
-        except EndpointError as e:
-            raise ConfigError(f"llm.endpoints.{role}: {e}") from None
-
 
 def read_pinned_dictionary(cfg: DictConfig) -> list[Any]:
     """The capabilities of the ``analysis.dictionary_path`` file, read as discovery reads it; ConfigError
     naming the file and what is wrong with it."""
-    from tracekit.analysis.discovery import load_dictionary
-
     value = cfg.analysis.dictionary_path
     _check(bool(value) and Path(value).expanduser().is_file(), "analysis.dictionary_path", value,
            "an existing file when analysis.discovery=pinned")
@@ -694,88 +437,3 @@ def interpolation_message(e: InterpolationResolutionError, cfg: DictConfig | Non
         return (f"{shown}: {named.group(1)} is not in the config (an override like ~{named.group(1)} removes it); "
                 f"give {named.group(1)} a value, or set {key} itself")
     return f"{shown} cannot be resolved: {why}; set {key or 'it'} to a value"
-
-
-def validate(cfg: DictConfig) -> None:
-    """Check every key against the schema, every value's range or choices and the cross-field rules; raise
-    ConfigError (one line) on the first problem, a value whose interpolation cannot be resolved included."""
-    try:
-        _validate(cfg)
-    except InterpolationResolutionError as e:
-        raise ConfigError(interpolation_message(e, cfg)) from None
-
-
-def _validate(cfg: DictConfig) -> None:
-    if "seed" not in cfg:  # Hydra's ~seed deletes it; every stage derives its seeds from it
-        raise ConfigError("seed is not in the config (an override like ~seed removes it): every stage derives its "
-                          "seeds from it; drop the override, or give it a value: seed=<int>")
-    for key, pattern, node, name in _leaves(cfg, Config):
-        if not key.startswith("paths.") and not OmegaConf.is_missing(node, name):
-            node[name]  # resolved: a broken ${...} is named here (paths resolve only in Hydra's app)
-        if pattern in RANGES or pattern in CHOICES:
-            _check_leaf(key, pattern, node[name])
-    if "rollout" in cfg:
-        from tracekit.envs.pool import valid_setting
-
-        _check(valid_setting(cfg.rollout.env_workers), "rollout.env_workers", cfg.rollout.env_workers,
-               "auto, 0 (in-process) or a positive integer (worker processes)")
-    t = cfg.thresholds
-    _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
-    if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line
-        from tracekit.planted.warmstart import PlantedSpec
-
-        try:
-            PlantedSpec.from_config(cfg.backbone.planted)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(str(e)) from None
-    for key in ("tool_choice", "copy_ids"):
-        if cfg.agent[key] not in ("auto", False):
-            _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,
-                   f"true when agent.{key}={cfg.agent[key]} (both are grammar constraints)")
-    _check(cfg.user.kind != "scripted" or cfg.user.max_turns is not None, "user.max_turns", None,
-           ">= 1 with user.kind=scripted (the scripted user needs a last turn)")
-    a = cfg.analysis
-    _check(a.min_capabilities <= a.max_capabilities, "analysis.min_capabilities", a.min_capabilities,
-           f"<= analysis.max_capabilities={a.max_capabilities}")
-    if a.discovery == "pinned":
-        read_pinned_dictionary(cfg)
-    sy = cfg.synthesis
-    _check(sy.target_low <= sy.target_high, "synthesis.target_low", sy.target_low,
-           f"<= synthesis.target_high={sy.target_high}")
-    for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings), ("thresholds", Thresholds),
-                          ("consolidation.sft", SFTSettings), ("consolidation.distill", DistillSettings)):
-        values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
-        try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
-            schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
-           cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
-    if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
-        _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
-               "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")
-    if cfg.launcher.kind == "deepspeed_zero3" and cfg.launcher.nproc > 1:  # as tracekit.rl.launch.check_supported
-        _check(cfg.grpo.engine != "hf", "grpo.engine", "hf",
-               "agent or vllm with launcher=deepspeed_zero3 and nproc > 1 (hf rollouts are not rank-synchronized)")
-    from tracekit.targets import target_of
-
-    target_of(cfg).validate(cfg)  # the target's own checks (tracekit/targets/<kind>.py: domains, environments, ...)
-    if eval_benchmark(cfg) is not None:  # evaluation on another target (Table 8): that target's checks too
-        from tracekit.targets import target_of
-
-        target_of(evaluation_config(cfg)).validate(evaluation_config(cfg))
-    _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
-    _check(len(cfg.eval.methods) >= 1, "eval.methods", list(cfg.eval.methods),
-           "a non-empty list (the rows of the results table: " + ", ".join(_method_names()) + ")")
-    from tracekit.methods import validate_methods
-
-    validate_methods(cfg)  # each method's own checks (a target without a training split, missing data, ...)
-    for name, ep in cfg.llm.endpoints.items():
-        if ep.kind == "openai":
-            _check(bool(ep.base_url) and ep.base_url.startswith(("http://", "https://")),
-                   f"llm.endpoints.{name}.base_url", ep.base_url, "an http(s) URL with kind=openai")
-            _check(bool(ep.model), f"llm.endpoints.{name}.model", ep.model, "set with kind=openai")
-    for role in dict.fromkeys(r for stage in _stage_names() for r in needed_endpoints(cfg, stage)):
-        if role not in cfg.llm.endpoints:
-            key = next(k for k in ENDPOINT_KEYS if OmegaConf.select(cfg, k) == role)
-            _check(False, key, role, "a key of llm.endpoints (" + ", ".join(cfg.llm.endpoints) + ")")

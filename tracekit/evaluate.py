@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text
-from tracekit.paired import INTERVAL as PAIRED_INTERVAL
 from tracekit.paired import outcome_map, paired_line, paired_vs_base
+from tracekit.paired import INTERVAL as PAIRED_INTERVAL
 from tracekit.types import Task, Trajectory
 
 RESULTS = "results.json"

@@ -11,16 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; never a display
-import matplotlib.pyplot as plt  # noqa: E402
-
 KEPT, DROPPED = "#2e7d32", "#9e9e9e"
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only; never a display), imported when a figure is drawn
+    (importing it takes about a second: the stages module imports this one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _save(fig: Any, path: Path) -> Path:
     """Save via a temp name + rename (atomic, like every artifact)."""
+    plt = _pyplot()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=150, bbox_inches="tight")
     plt.close(fig)
@@ -31,6 +38,7 @@ def _save(fig: Any, path: Path) -> Path:
 def selection_frequency_figure(selection: dict[str, Any], path: Path) -> Path:
     cands = sorted(selection["candidates"], key=lambda c: (-c["selection_count"], c["name"]))
     n, k = len(selection["runs"]), selection["thresholds"]["k"]
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(cands) + 1.5), 3.6))
     ax.bar(
         range(len(cands)),
@@ -50,6 +58,7 @@ def selection_frequency_figure(selection: dict[str, Any], path: Path) -> Path:
 def failure_coverage_figure(selection: dict[str, Any], path: Path) -> Path:
     cands = [c for c in selection["candidates"] if c["median_cov"] is not None]
     cands.sort(key=lambda c: (-c["median_cov"], c["name"]))
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(cands) + 1.5), 3.6))
     med = [c["median_cov"] for c in cands]
     lo = [c["median_cov"] - c["cov_iqr"][0] for c in cands]

@@ -61,6 +61,7 @@ from typing import Any
 
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.labeling import LabelingResult, labeling_report
+from tracekit.synthesis.library import LIBRARY_NAMES, library_env
 from tracekit.types import Capability, Label, LabelValue, Message, Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,6 @@ def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str,
 
 
 def _library_tau2_envs() -> tuple[str, ...]:
-    from tracekit.synthesis.library import LIBRARY_NAMES
-
     return tuple(n for n in LIBRARY_NAMES if n.startswith("tau2_"))
 
 
@@ -160,8 +159,6 @@ def library_gold(env: str, difficulty: int, seed: int) -> GoldSpec:
     """The gold spec of instance ``seed`` of built-in tau^2 environment ``env``: its ground-truth calls as the
     gold actions (compared on every argument), its expected outputs as the information to communicate, the
     write tools of the tau^2 domain whose tools it keeps."""
-    from tracekit.synthesis.library import library_env
-
     cls = library_env(env)
     domain = cls.target.removeprefix("tau2_")
     inst = cls(difficulty).generate(seed)

@@ -1,4 +1,5 @@
-"""The coding target's settings (``benchmark.coding``, schema in :class:`CodingBenchmarkConfig`) and its suites.
+"""The coding target's settings (``benchmark.coding``, schema: :class:`tracekit.config.CodingBenchmarkConfig`) and
+its suites.
 
 ``benchmark.kind=coding``: local SWE-smith-style tasks (:mod:`tracekit.coding.tasks`), split ``train`` | ``test``.
 ``benchmark.kind=swebench``: SWE-bench Verified instances (:mod:`tracekit.coding.swebench`), evaluated by the
@@ -7,33 +8,14 @@ official harness in Docker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracekit.coding.sandbox import CommandLimits, jail_problem, require_jail
+from tracekit.coding.suite import CodingSuite
+from tracekit.coding.tasks import TaskGenConfig, load_or_generate, python_modifiers
+
 SPLITS = ("train", "test")
-
-
-@dataclass
-class CodingBenchmarkConfig:
-    package: str = "toolz"  # an installed pure-Python distribution that ships its tests
-    seed: int = 0  # the tasks' seed (bug choice, split); the benchmark does not move with the master seed
-    modifiers: list[str] = field(default_factory=list)  # swesmith modifier names; empty: all 13 Python ones
-    max_per_modifier: int = 3
-    max_candidates_per_modifier: int = 8
-    heldout_fraction: float = 0.5
-    test_wall_seconds: float = 60.0
-    test_cpu_seconds: int = 60
-    command_wall_seconds: float = 30.0  # the agent's bash tool, per command
-    command_cpu_seconds: int = 30
-    command_memory_mb: int = 2048
-    command_processes: int = 128
-    output_chars: int = 4000
-    model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
-    # kind=swebench
-    dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
-    repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
-    max_workers: int = 4  # the harness's parallel containers
 
 
 # the schema's value ranges (merged into tracekit.config.RANGES) and choices (tracekit.config.CHOICES)
@@ -45,8 +27,6 @@ RANGES = {f"benchmark.coding.{k}": v for k, v in {
 
 def modifier_names() -> tuple[str, ...]:
     """swesmith's Python procedural modifier names (``benchmark.coding.modifiers`` choices)."""
-    from tracekit.coding.tasks import python_modifiers
-
     return tuple(pm.name for pm in python_modifiers())
 
 
@@ -59,17 +39,13 @@ def check(bench: Any) -> list[tuple[str, Any, str]]:
     are in :data:`RANGES` / :data:`CHOICES`)."""
     if bench.split not in SPLITS:
         return [("benchmark.split", bench.split, f"one of {', '.join(SPLITS)} with benchmark.kind={bench.kind}")]
-    from tracekit.coding.sandbox import jail_problem  # the agent's commands run only in the jail, never uncontained
-
-    problem = jail_problem()
+    problem = jail_problem()  # the agent's commands run only in the jail, never uncontained
     if problem:
         return [("benchmark.kind", bench.kind, f"a target whose sandbox can start on this machine ({problem})")]
     return []
 
 
 def gen_config(bench: Any):
-    from tracekit.coding.tasks import TaskGenConfig
-
     c = bench.coding
     return TaskGenConfig(package=c.package, seed=int(c.seed), modifiers=tuple(c.modifiers),
                          max_per_modifier=int(c.max_per_modifier),
@@ -79,8 +55,6 @@ def gen_config(bench: Any):
 
 
 def command_limits(bench: Any):
-    from tracekit.coding.sandbox import CommandLimits
-
     c = bench.coding
     return CommandLimits(cpu_seconds=int(c.command_cpu_seconds), wall_seconds=float(c.command_wall_seconds),
                          memory_bytes=int(c.command_memory_mb) << 20, processes=int(c.command_processes),
@@ -92,13 +66,7 @@ def build_suite(bench: Any, cache_dir: str | Path, split: str | None = None, rew
     """The EnvSuite of a ``benchmark`` node of kind coding (tasks generated once into ``cache_dir``; SWE-bench
     Verified's: :class:`tracekit.targets.coding.SweBenchTarget`). Refuses (JailUnavailable, one line) where the
     sandbox cannot start, before any work."""
-    from tracekit.coding.sandbox import require_jail
-
     require_jail()
-    from tracekit.coding.sandbox import CommandLimits
-    from tracekit.coding.suite import CodingSuite
-    from tracekit.coding.tasks import load_or_generate
-
     taskset = load_or_generate(gen_config(bench), Path(cache_dir))
     eval_limits = CommandLimits(cpu_seconds=int(bench.coding.test_cpu_seconds),
                                 wall_seconds=float(bench.coding.test_wall_seconds))

@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any, Literal
 
 from tracekit.coding.repo import Workspace, read_tree
-from tracekit.coding.reward import PatchVerdict, evaluate_patch, prediction
+from tracekit.coding.reward import PatchVerdict, evaluate_patch, prediction, swe_rl_reward
 from tracekit.coding.sandbox import CommandLimits, isolation
 from tracekit.coding.tasks import CodingTask, TaskSet
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
@@ -140,8 +140,6 @@ class CodingEpisode(Episode):
         verdict = evaluate_patch(self.task, buggy, patch, self.suite.eval_limits)
         reward = verdict.reward
         if self.suite.reward == "swe_rl":
-            from tracekit.methods.swe_rl import swe_rl_reward
-
             changed = None if final is None else {p: final.get(p, "") for p in set(buggy) | set(final)
                                                   if final.get(p, "") != buggy.get(p, "")}
             oracle = {p: self.suite.taskset.pristine.get(p, "") for p in self.task.buggy_files}

@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import atomic_write_text
+from tracekit.coding.repo import Workspace
 from tracekit.coding.reward import prediction
 from tracekit.coding.sandbox import CommandLimits
-from tracekit.envs.base import EnvSuite, Episode, Outcome
-from tracekit.types import Task
+from tracekit.coding.suite import TOOLS, CodingEpisode
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome
+from tracekit.types import Message, Task
 
 log = logging.getLogger(__name__)
 
@@ -252,16 +254,10 @@ class SweBenchSuite(EnvSuite):
 
 class SweBenchEpisode(Episode):
     def __init__(self, suite: SweBenchSuite, inst: SweBenchInstance):
-        from tracekit.coding.suite import CodingEpisode
-
         self.suite, self.inst = suite, inst
         self._inner = CodingEpisode(suite, inst)  # type: ignore[arg-type]  # its tool loop, on this checkout
 
     def reset(self):
-        from tracekit.coding.repo import Workspace
-        from tracekit.envs.base import Observation
-        from tracekit.types import Message
-
         clone = self.suite.repos_dir / self.inst.repo.replace("/", "__")
         if not clone.is_dir():
             raise FileNotFoundError(f"no clone of {self.inst.repo} at {clone}")
@@ -292,6 +288,4 @@ class SweBenchEpisode(Episode):
 
 
 def _tools():
-    from tracekit.coding.suite import TOOLS
-
     return TOOLS

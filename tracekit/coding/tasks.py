@@ -35,8 +35,9 @@ from typing import Any
 from filelock import FileLock
 
 from tracekit.artifacts import atomic_write_json, read_json, read_jsonl, write_jsonl
-from tracekit.coding import repo as R
 from tracekit.coding import sandbox
+from tracekit.coding import repo as R
+from tracekit.coding.reward import evaluate_patch
 from tracekit.coding.sandbox import CommandLimits
 from tracekit.types import stable_hash
 
@@ -198,8 +199,6 @@ def load_or_generate(cfg: TaskGenConfig, cache_root: Path) -> TaskSet:
 
 def generate(cfg: TaskGenConfig, version: str, pristine: dict[str, str]) -> tuple[list[CodingTask], dict[str, Any]]:
     """Inject, validate and keep tasks; the report counts candidates and their fates per modifier."""
-    from tracekit.coding.reward import evaluate_patch
-
     t_start = time.monotonic()
     limits = cfg.limits()
     tests = test_files(pristine)

@@ -51,7 +51,20 @@ VARIANTS = ("3_distraction_tools", "10_distraction_tools", "all_tools",
             "3_distraction_tools_arg_description_scrambled", "3_distraction_tools_tool_name_scrambled")
 DOMAINS = ("base", *VARIANTS)  # benchmark.domains of the toolsandbox target: the base scenarios and named variants
 PERFECT = 1.0 - 1e-9
+TOOLSANDBOX_SYSTEM_PROMPT = (  # the system prompt ToolSandbox's base scenarios give the agent
+    "Don't make assumptions about what values to plug into functions. "
+    "Ask for clarification if a user request is ambiguous."
+)
+TOOLSANDBOX_EXTRACT = Path(__file__).resolve().parent.parent / "targets" / "data" / "toolsandbox_tools.json"
 UNHELPFUL = "I am sorry, but I cannot assist with that."  # ToolSandbox's UnhelpfulAgent, word for word
+
+
+def toolsandbox_tools() -> dict[str, dict[str, Any]]:
+    """Every agent-visible ToolSandbox tool as ToolSandbox's own converter gives it (a fresh copy): a committed
+    extract of the real ToolSandbox (``scripts/extract_toolsandbox_tools.py``; ``tests/test_toolsandbox.py`` holds
+    it against the real one when ToolSandbox's environment is built), known without ToolSandbox's environment."""
+    tools = json.loads(TOOLSANDBOX_EXTRACT.read_text(encoding="utf-8"))["tools"]
+    return {t["function"]["name"]: t for t in tools}
 
 
 class EnvironmentServerError(RuntimeError):
@@ -340,10 +353,8 @@ class ToolSandboxSuite(EnvSuite):
         return ToolSandboxEpisode(self, task, seed)
 
     def interface(self) -> dict[str, Any]:
-        from tracekit.synthesis.targets import target_policy, target_tools
-
-        return {"toolsandbox": {"system_prompt": target_policy("toolsandbox"), "policy": target_policy("toolsandbox"),
-                                "tools": list(target_tools("toolsandbox").values())}}
+        return {"toolsandbox": {"system_prompt": TOOLSANDBOX_SYSTEM_PROMPT, "policy": TOOLSANDBOX_SYSTEM_PROMPT,
+                                "tools": list(toolsandbox_tools().values())}}
 
     def all_tools(self) -> list[dict[str, Any]]:
         """Every agent-visible ToolSandbox tool, as its converter gives it (no allow list, no scrambling)."""

@@ -24,7 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tracekit.llm.backbones import get_spec, load_backbone
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
+from tracekit.llm.hf import HFChatClient
+from tracekit.llm.openai import OpenAIChatClient
+from tracekit.moe.model import LoRAMoEModel
 
 __all__ = ["ChatClient", "ChatRequest", "ChatResponse", "EndpointError", "make_client"]
 
@@ -87,7 +91,6 @@ def make_client(cfg: Mapping[str, Any] | Any) -> ChatClient:
         for key in ("base_url", "model"):
             if not cfg.get(key):
                 raise KeyError(f"llm client kind=openai: '{key}' is required")
-        from tracekit.llm.openai import OpenAIChatClient
 
         client = OpenAIChatClient(**{k: v for k, v in cfg.items() if k in _OPENAI_KEYS})
         if cfg.get("check"):
@@ -101,8 +104,6 @@ def _make_hf(cfg: dict[str, Any]) -> ChatClient:
     _check_keys("hf", cfg, _HF_KEYS | model_keys)
     if not cfg.get("backbone"):
         raise KeyError("llm client kind=hf: 'backbone' is required")
-    from tracekit.llm.backbones import get_spec, load_backbone
-    from tracekit.llm.hf import HFChatClient
 
     spec = get_spec(cfg["backbone"])
     model, tokenizer = load_backbone(spec, cfg.get("device") or "cpu", cfg.get("dtype"), cfg.get("cache_dir"))
@@ -113,8 +114,6 @@ def _make_hf(cfg: dict[str, Any]) -> ChatClient:
 
         model = PeftModel.from_pretrained(model, cfg["adapter"]).eval()
     if cfg.get("moe"):
-        from tracekit.moe.model import LoRAMoEModel
-
         model = LoRAMoEModel.load(cfg["moe"], backbone=model).eval()
     return HFChatClient(
         model,

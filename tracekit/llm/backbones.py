@@ -16,7 +16,7 @@ temp directory under a file lock and renamed into place, so a killed export leav
 looks complete.
 
 One model at a time: :func:`load_backbone` first drops the in-process models that caches registered
-with :func:`register_model_cache` hold (``tracekit.stages``' chat clients), unless it is called inside
+with :func:`register_model_cache` hold (``tracekit.wiring``' chat clients), unless it is called inside
 :func:`keeping_cached_models` (a cache filling itself), then returns freed memory to the OS
 (:func:`release_memory`). So a stage that loads its own backbone (GRPO training, composition) does
 not also keep the agent's model of an earlier stage for the rest of the run.
@@ -30,6 +30,7 @@ import copy
 import ctypes
 import ctypes.util
 import gc
+import importlib
 import importlib.util
 import logging
 import os
@@ -374,6 +375,28 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+# Backbone sources built by other packages (a spec field -> "module:function" giving the saved model folder,
+# ``(spec, device, cache_dir) -> Path``), imported on first use so llm/ does not import them; a package adds its
+# own with :func:`register_backbone_source`.
+BACKBONE_SOURCES: dict[str, str | Callable[[BackboneSpec, str, str | Path | None], Path]] = {
+    "planted": "tracekit.planted.warmstart:planted_dir",  # backbone.planted: the planted warm start
+}
+
+
+def register_backbone_source(field: str, build: str | Callable[[BackboneSpec, str, str | Path | None], Path]) -> None:
+    """Build specs whose ``field`` is set with ``build`` (a function or its ``"module:function"`` path)."""
+    BACKBONE_SOURCES[field] = build
+
+
+def backbone_source(field: str) -> Callable[[BackboneSpec, str, str | Path | None], Path]:
+    """The registered builder of a spec field's backbones (a ``"module:function"`` entry imported now)."""
+    build = BACKBONE_SOURCES[field]
+    if isinstance(build, str):
+        module, name = build.split(":")
+        build = getattr(importlib.import_module(module), name)
+    return build
+
+
 def load_backbone(
     spec: str | BackboneSpec | dict[str, Any],
     device: str | torch.device = "cpu",
@@ -396,9 +419,7 @@ def load_backbone(
     spec = get_spec(spec)
     torch_dtype = resolve_dtype(dtype, spec.dtype, device)
     if spec.planted:  # the base backbone after the planted warm start (SFT once, merged, cached as a folder)
-        from tracekit.planted.warmstart import planted_dir
-
-        path = planted_dir(spec, str(device), cache_dir) / "model"
+        path = backbone_source("planted")(spec, str(device), cache_dir) / "model"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         tokenizer.chat_template = TEMPLATES[spec.chat_format]

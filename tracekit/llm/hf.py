@@ -32,7 +32,7 @@ import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.constrained import TOOL_CHOICES, ToolCallGrammar
-from tracekit.llm.decoding import FastSession, causal_lm_of
+from tracekit.llm.decoding import FastDecoder, FastSession, causal_lm_of, open_session, unsupported_reason
 from tracekit.llm.picks import batch_pick
 from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text, render_prompt
 from tracekit.types import Message
@@ -465,8 +465,6 @@ class HFChatClient(ChatClient):
         return {} if store is None else store.reset()
 
     def _session(self, prompts: list[list[int]], max_new: int) -> Any:
-        from tracekit.llm.decoding import FastDecoder, open_session, unsupported_reason
-
         if self._decoder is None and self.fast != "off":
             reason = unsupported_reason(self.model)
             if reason is not None and self.fast == "on":

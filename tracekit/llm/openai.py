@@ -28,15 +28,8 @@ from urllib.parse import urlparse
 import httpx
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
-from tracekit.llm.tools import (
-    ToolCallParseError,
-    call_from_json,
-    check_chat_format,
-    encode_prompt,
-    parse_assistant_text,
-    strip_reasoning,
-    tool_call_id,
-)
+from tracekit.llm.tools import (ToolCallParseError, call_from_json, check_chat_format, encode_prompt,
+                                parse_assistant_text, strip_reasoning, tool_call_id)
 from tracekit.types import Message, ToolCall
 
 log = logging.getLogger(__name__)

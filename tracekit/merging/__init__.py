@@ -7,18 +7,8 @@ core_space.py: Core Space merging and core-TSV (TIES sign resolution + TSV-M in 
 
 from tracekit.merging.core_space import core_space_merge, core_tsv_merge, polar_orthogonalize, tsv_merge
 from tracekit.merging.lora_io import LoraFactors, read_adapter_config, read_lora_adapter, write_lora_adapter
-from tracekit.merging.merges import (
-    dare_drop,
-    disjoint_merge,
-    elect_sign,
-    merge_cat,
-    merge_dare_ties,
-    merge_linear,
-    merge_ties,
-    svd_refactor,
-    ties_merge,
-    ties_trim,
-)
+from tracekit.merging.merges import (dare_drop, disjoint_merge, elect_sign, merge_cat, merge_dare_ties, merge_linear,
+                                     merge_ties, svd_refactor, ties_merge, ties_trim)
 
 __all__ = [
     "LoraFactors",

@@ -30,15 +30,8 @@ from typing import Literal
 import torch
 
 from tracekit.merging.lora_io import LoraFactors
-from tracekit.merging.merges import (
-    Adapters,
-    MajoritySign,
-    check_aligned,
-    elect_sign,
-    named_adapters,
-    ties_merge,
-    ties_trim,
-)
+from tracekit.merging.merges import (Adapters, MajoritySign, check_aligned, elect_sign, named_adapters, ties_merge,
+                                     ties_trim)
 
 CoreMerge = Literal["sum", "ties", "tsv", "ties_tsv"]
 RankPolicy = Literal["full", "truncate"]

@@ -12,7 +12,7 @@ The external baselines (paper Tables 1-3, Figure 4): ``grpo_target``, ``prompt_o
 from __future__ import annotations
 
 from tracekit.methods.adp_sft import AdpSft
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
+from tracekit.methods.base import Method, PolicyRow
 from tracekit.methods.base_agent import BaseAgent
 from tracekit.methods.gepa import Gepa
 from tracekit.methods.grpo_target import GrpoTarget
@@ -39,4 +39,4 @@ def validate_methods(cfg) -> None:
             METHODS[name].validate(cfg)
 
 
-__all__ = ["METHODS", "Budget", "Method", "Policy", "PolicyRow", "validate_methods"]
+__all__ = ["METHODS", "Method", "PolicyRow", "validate_methods"]

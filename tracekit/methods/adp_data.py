@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracekit.llm.tools import render_prompt
 from tracekit.rl.tokens import Turn, build_rows
 from tracekit.types import Message, ToolCall
 
@@ -312,8 +313,6 @@ def assistant_turns(messages: list[Message], tools: list[dict[str, Any]], tokeni
                     report: AdpReport | None = None) -> list[Turn]:
     """One :class:`Turn` per assistant message: the prompt the template renders before it (generation prompt
     included) and the template's own rendering of the message, through its end-of-turn token."""
-    from tracekit.llm.tools import render_prompt
-
     turns = []
     marks = _end_of_turn(tokenizer)
     for k, m in enumerate(messages):

@@ -16,8 +16,14 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
+from tracekit.config import ConfigError
+from tracekit.llm.backbones import load_backbone
+from tracekit.methods.adp_data import load_adp, sft_rows
+from tracekit.methods.base import Method, PolicyRow
 from tracekit.pipeline import Stage
+from tracekit.policy import Budget, Policy
+from tracekit.rl.sft import SFTSettings, train_sft
+from tracekit.wiring import backbone_dict, device, dtype
 
 LABEL = "ADP SFT"
 REPORT = "adp_report.json"
@@ -34,11 +40,6 @@ def data_identity(cfg):
 
 
 def adp_stage(ctx) -> None:
-    from tracekit.llm.backbones import load_backbone
-    from tracekit.methods.adp_data import load_adp, sft_rows
-    from tracekit.rl.sft import SFTSettings, train_sft
-    from tracekit.stages import backbone_dict, device, dtype
-
     cfg, s = ctx.cfg, ctx.cfg.baselines.adp_sft
     records, report = load_adp(list(s.data), s.max_records)
     model, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
@@ -73,9 +74,6 @@ class AdpSft(Method):
         return ("adp_sft",)
 
     def validate(self, cfg):
-        from tracekit.config import ConfigError
-        from tracekit.rl.sft import SFTSettings
-
         s = cfg.baselines.adp_sft
         if not s.data:
             raise ConfigError("baselines.adp_sft.data=[] is invalid: must list ADP files or hf://<owner>/<dataset>/"

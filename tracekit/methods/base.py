@@ -1,6 +1,6 @@
 """What a method hands to evaluation: policies (the backbone plus at most one set of weights) and budgets.
 
-A :class:`Method` is one row family of a paper table (``base``, ``single_capability``, ``trace``, ...).
+Policies and budgets: :mod:`tracekit.policy`. A :class:`Method` is one row family of a paper table (``base``, ``single_capability``, ``trace``, ...).
 It names the pipeline stages it needs (``inputs``), may add stages of its own (``stages``), and turns
 their artifacts into :class:`PolicyRow`\\ s. Evaluation is one loop over those rows: one cached rollout
 per distinct policy (see :func:`tracekit.stages.evaluate_stage`).
@@ -8,88 +8,17 @@ per distinct policy (see :func:`tracekit.stages.evaluate_stage`).
 
 from __future__ import annotations
 
-import csv
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from tracekit.artifacts import COMPLETE, Artifact, read_json
+from tracekit.policy import Budget, Policy
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from tracekit.pipeline import Stage, StageContext
-
-PolicyKind = Literal["base", "adapter", "moe", "prompt"]
-_NO_WEIGHTS = ("base", "prompt")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The backbone, alone or with the peft adapter / LoRA-MoE saved at ``weights.path / subdir``.
-
-    ``prompt``: the backbone alone with ``system_prompt_suffix`` appended to the system prompt of every
-    episode (prompt-only and GEPA rows: no weights change). ``base`` is the untouched base agent (it reads the
-    base rollout), so a suffix makes a policy of kind ``prompt``, never ``base``.
-    """
-
-    kind: PolicyKind = "base"
-    weights: Artifact | None = None
-    subdir: str = ""
-    system_prompt_suffix: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.kind in _NO_WEIGHTS) != (self.weights is None):
-            raise ValueError(f"policy kind {self.kind!r} {'takes no' if self.kind in _NO_WEIGHTS else 'needs'} weights")
-        if (self.kind == "prompt") != bool(self.system_prompt_suffix):
-            raise ValueError("a system_prompt_suffix makes a policy of kind 'prompt' (and kind 'prompt' needs one)")
-
-    def identity(self) -> dict[str, Any]:
-        """What the policy's rollout depends on (content, not location): part of its cache key."""
-        out = {"kind": self.kind, "weights": self.weights.content_key if self.weights else None, "subdir": self.subdir}
-        if self.system_prompt_suffix is not None:  # absent otherwise: existing rollouts keep their keys
-            out["system_prompt_suffix"] = self.system_prompt_suffix
-        return out
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What producing a policy consumed (paper: consolidations compared at matched budgets)."""
-
-    episodes: int = 0  # environment episodes rolled out for training (evaluation not counted)
-    generated_tokens: int = 0  # tokens sampled during training
-    optimizer_steps: int = 0
-
-    def __add__(self, other: Budget) -> Budget:
-        return Budget(self.episodes + other.episodes, self.generated_tokens + other.generated_tokens,
-                      self.optimizer_steps + other.optimizer_steps)
-
-    def to_dict(self) -> dict[str, int]:
-        return {"episodes": self.episodes, "generated_tokens": self.generated_tokens,
-                "optimizer_steps": self.optimizer_steps}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Budget:
-        return cls(int(d["episodes"]), int(d["generated_tokens"]), int(d["optimizer_steps"]))
-
-
-def budget_sum(budgets: Any) -> Budget:
-    total = Budget()
-    for b in budgets:
-        total = total + b
-    return total
-
-
-def grpo_budget(adapter: Artifact) -> Budget:
-    """A GRPO run's budget from its artifact: episodes = rollout rows (counted by the verified manifest),
-    tokens and optimizer steps summed over ``metrics.csv``."""
-    files = read_json(adapter.path / COMPLETE)["files"]
-    episodes = sum(f.get("rows", 0) for rel, f in files.items() if rel.startswith("rollouts/"))
-    with open(adapter.path / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    return Budget(episodes, sum(int(float(r["tokens_generated"] or 0)) for r in rows),
-                  sum(int(float(r["optimizer_steps"] or 0)) for r in rows))
 
 
 @dataclass(frozen=True)

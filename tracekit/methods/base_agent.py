@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.policy import Budget, Policy
 
 
 class BaseAgent(Method):

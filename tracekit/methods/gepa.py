@@ -38,15 +38,18 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import Artifact, JsonlAppender, atomic_write_json, iter_jsonl, read_json
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
-from tracekit.methods.target_train import (
-    capabilities_block, ranked_capabilities, refuse_without_training_split, trace_episodes, train_suite_reads,
-    train_suite_spec,
-)
+from tracekit.llm.base import ChatRequest, EndpointError
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.methods.target_train import (capabilities_block, open_target_train, ranked_capabilities,
+                                           refuse_without_training_split, trace_episodes, train_suite_reads,
+                                           train_suite_spec)
 from tracekit.pipeline import Stage, derive_seed
-from tracekit.report.figure4 import FIGURE4
+from tracekit.policy import Budget, Policy
+from tracekit.rollout import TRAJECTORIES, load_done, run_rollouts
+from tracekit.synthesis.stage import trajectory_excerpt
 from tracekit.targets import target, target_of
-from tracekit.types import stable_hash
+from tracekit.types import Message, stable_hash
+from tracekit.wiring import client_for, llm_agent, release_client
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +117,6 @@ class TargetAdapter:
         self.generated_tokens = 0
 
     def ledger_size(self) -> int:
-        from tracekit.rollout import TRAJECTORIES
-
         return sum(sum(1 for _ in iter_jsonl(p)) for p in self.root.glob(f"*/{TRAJECTORIES}"))
 
     def suffix(self, candidate: dict[str, str]) -> str:
@@ -124,8 +125,6 @@ class TargetAdapter:
     def evaluate(self, batch, candidate, capture_traces: bool = False):
         from gepa import EvaluationBatch
 
-        from tracekit.rollout import TRAJECTORIES, load_done, run_rollouts
-        from tracekit.stages import llm_agent
 
         suffix = self.suffix(candidate)
         d = self.root / stable_hash(suffix, length=16)
@@ -158,8 +157,6 @@ class TargetAdapter:
                                num_metric_calls=len(fresh))
 
     def make_reflective_dataset(self, candidate, eval_batch, components_to_update):
-        from tracekit.synthesis.stage import trajectory_excerpt
-
         records = []
         for score, tr in zip(eval_batch.scores, eval_batch.trajectories or [], strict=False):
             t, task = tr["trajectory"], tr["task"]
@@ -199,9 +196,6 @@ class ReflectionLM:
         self.generated_tokens = 0
 
     def __call__(self, prompt) -> str:
-        from tracekit.llm.base import ChatRequest, EndpointError
-        from tracekit.types import Message
-
         if self.error is not None:
             raise self.error
         text = prompt if isinstance(prompt, str) else "\n\n".join(
@@ -284,8 +278,6 @@ def training_spec(cfg) -> dict[str, Any]:
 
 def training_tasks(cfg) -> tuple[Any, list[Any]]:
     """The target's training suite for GEPA and its tasks."""
-    from tracekit.methods.target_train import open_target_train
-
     suite = open_target_train(training_spec(cfg))
     return suite, suite.tasks()
 
@@ -294,8 +286,6 @@ def run_gepa(cfg, capabilities: list[dict[str, str]], budget: int, work: Path, s
     """One gepa.optimize run in ``work`` (resumable); writes and returns ``gepa_result.json``'s content."""
     import gepa
 
-    from tracekit.llm.base import EndpointError
-    from tracekit.stages import client_for
 
     s = cfg.baselines.gepa
     suite, tasks = training_tasks(cfg)
@@ -360,7 +350,6 @@ def gepa_run(ctx, capabilities: list[dict[str, str]], budget: int) -> Artifact:
     seed = derive_seed(cfg.seed, "gepa")
     key = stable_hash({"reads": _values(cfg, run_reads(cfg)), "capabilities": capabilities, "budget": budget},
                       length=20)
-    from tracekit.stages import release_client
 
     t0 = time.time()
     try:
@@ -406,10 +395,7 @@ def gepa_report(art: Artifact, ctx) -> None:
 class Gepa(Method):
     name = "gepa"
     summary = "GEPA (the gepa package) refining the capabilities' descriptions in the system prompt, matched budget"
-    # the Figure 4 stage (TRACE vs GEPA vs GRPO on target) rides on GEPA's registration: build_pipeline adds the
-    # stages the methods bring, and Figure 4 is GEPA's scaling comparison
-    stages = (Stage("gepa", reads=run_reads, inputs=stage_inputs, compute=gepa_stage, report=gepa_report),
-              FIGURE4)
+    stages = (Stage("gepa", reads=run_reads, inputs=stage_inputs, compute=gepa_stage, report=gepa_report),)
 
     def inputs(self, cfg):
         return ("gepa",)

@@ -20,24 +20,21 @@ from collections.abc import Callable
 from typing import Any
 
 from tracekit.artifacts import COMPLETE, Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
-from tracekit.methods.target_train import (
-    matched_iterations,
-    refuse_without_training_split,
-    trace_episodes,
-    train_suite_reads,
-    train_suite_spec,
-)
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.methods.target_train import (refuse_without_training_split, trace_episodes, train_suite_reads,
+                                           train_suite_spec)
 from tracekit.pipeline import Stage
+from tracekit.policy import Policy, grpo_budget
+from tracekit.rl.launch import Factory
+from tracekit.runs import grpo_run, matched_iterations, train_seeds
 from tracekit.targets import target
+from tracekit.wiring import AGENT_ENGINE_READS
 
 LABEL = "GRPO on Target"
 RESULT = "grpo_target.json"
 
 
 def stage_reads(cfg):
-    from tracekit.stages import AGENT_ENGINE_READS
-
     return ("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS, *train_suite_reads(cfg), "baselines.grpo_target")
 
 
@@ -50,9 +47,6 @@ def train_on_target(ctx, name: str, settings: Any, spec_for: Callable[[int], dic
     """GRPO on the target's training tasks at the matched budget (``settings``: a ``baselines.<method>`` group
     with ``episodes`` and ``checkpoint_iterations``; ``spec_for(iterations)``: the training suite's spec). The
     result record: the adapter, the budget and the kept checkpoints."""
-    from tracekit.rl.launch import Factory
-    from tracekit.stages import grpo_run
-
     cfg = ctx.cfg
     matched = trace_episodes(ctx.inputs["train"]) if settings.episodes is None else None
     episodes = settings.episodes if settings.episodes is not None else matched
@@ -71,8 +65,6 @@ def train_on_target(ctx, name: str, settings: Any, spec_for: Callable[[int], dic
 
 
 def grpo_target_stage(ctx) -> None:
-    from tracekit.stages import train_seeds
-
     cfg, s = ctx.cfg, ctx.cfg.baselines.grpo_target
 
     def spec_for(iterations: int) -> dict[str, Any]:

@@ -3,8 +3,9 @@ no training and no optimization (paper Figure 4a's comparator at zero optimizati
 
 from __future__ import annotations
 
-from tracekit.methods.base import Budget, Method, Policy, PolicyRow
+from tracekit.methods.base import Method, PolicyRow
 from tracekit.methods.target_train import capabilities_block, ranked_capabilities
+from tracekit.policy import Budget, Policy
 
 LABEL = "Prompt only (capabilities in the system prompt)"
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.policy import Policy, grpo_budget
+from tracekit.runs import adapters_of
 
 PREFIX = "Single Capability GRPO"
 
@@ -15,8 +17,6 @@ class SingleCapability(Method):
         return ("train",)
 
     def rows(self, ctx):
-        from tracekit.stages import adapters_of
-
         return [PolicyRow(f"{PREFIX} ({cap})", Policy("adapter", art, "adapter"), grpo_budget(art))
                 for cap, art in adapters_of(ctx.inputs["train"]).items()]
 

@@ -6,7 +6,7 @@ Training tasks (never the evaluated ones) are the target's (``tracekit.targets``
 
 - ``tau2``: tau^2's ``train`` split (``split_tasks.json``), the benchmark's own reward and user;
 - ``synthetic`` (``tau2_mini``): instances of the same library environments at the target's difficulty from the
-  training seeds (``tracekit.stages.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
+  training seeds (``tracekit.runs.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
   (``LibraryTargetSuite``'s 10,000,000 on) and from validation's ``0..n``;
 - ``coding`` / ``swebench``: the local SWE-smith-style train split;
 - ``toolsandbox``: the scenarios of ``benchmark.train_split`` (``heldout``: a seeded category-stratified half of the
@@ -22,13 +22,16 @@ stage's adapters), read from their artifacts: the methods that match it take ``t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import Artifact, read_json
+from tracekit.config import ConfigError
+from tracekit.methods.consolidate import adapters_budget
+from tracekit.runs import TRAIN_SEED_OFFSET, adapters_of
 from tracekit.targets import target, target_of
+from tracekit.wiring import client_for
 
 CAPABILITIES_HEADER = ("Capabilities that tasks in this environment require. Exercise each one whenever a task "
                        "calls for it:")
@@ -40,8 +43,6 @@ def training_split_problem(cfg: DictConfig) -> str | None:
 
 
 def refuse_without_training_split(cfg: DictConfig, method: str) -> None:
-    from tracekit.config import ConfigError
-
     problem = training_split_problem(cfg)
     if problem:
         raise ConfigError(f"{method} trains on the target's training split, but {cfg.benchmark.name} has none "
@@ -77,23 +78,13 @@ def open_target_train(spec: dict[str, Any], cache_dir: str | None = None) -> Any
     """The target's training tasks as an EnvSuite (an env Factory: ``tracekit.methods.target_train:open_target_train``),
     built by the target the spec's benchmark names (``Target.train_suite``; ``cache_dir``: the coding target's task
     cache)."""
-    from tracekit.stages import TRAIN_SEED_OFFSET, client_for
-
     cfg = OmegaConf.create(spec)
     return target(cfg.benchmark.kind).train_suite(cfg, spec, cache_dir, client_for, TRAIN_SEED_OFFSET)
 
 
 def trace_episodes(train: Artifact) -> int:
     """The episodes TRACE's per-capability GRPO runs rolled out, summed (the matched budget)."""
-    from tracekit.methods.consolidate import adapters_budget
-    from tracekit.stages import adapters_of
-
     return adapters_budget(adapters_of(train)).episodes
-
-
-def matched_iterations(cfg: DictConfig, episodes: int) -> int:
-    """GRPO iterations of ``grpo.groups x grpo.group_size`` episodes that spend ``episodes`` (rounded up)."""
-    return max(1, math.ceil(episodes / (cfg.grpo.groups * cfg.grpo.group_size)))
 
 
 def ranked_capabilities(select: Artifact, only: set[str] | None = None) -> list[dict[str, str]]:

@@ -17,9 +17,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Method, Policy, PolicyRow, grpo_budget
-from tracekit.methods.target_train import matched_iterations, trace_episodes
+from tracekit.config import ConfigError
+from tracekit.methods.base import Method, PolicyRow
+from tracekit.methods.target_train import trace_episodes
 from tracekit.pipeline import Stage
+from tracekit.policy import Policy, grpo_budget
+from tracekit.rl.launch import Factory
+from tracekit.runs import grpo_run, matched_iterations, package_identity, synthesis_target, train_seeds
+from tracekit.synthesis.library import LIBRARY_NAMES, _target_family, library_env
+from tracekit.synthesis.stage import PACKAGE
+from tracekit.wiring import AGENT_ENGINE_READS
 
 LABEL = "Untargeted synthetic (AWM-style)"
 RESULT = "untargeted.json"
@@ -27,16 +34,11 @@ RESULT = "untargeted.json"
 
 def family_environments(cfg) -> list[str]:
     """The library environments of the target's family (no analysis: all of them), by name."""
-    from tracekit.stages import synthesis_target
-    from tracekit.synthesis.library import LIBRARY_NAMES, _target_family, library_env
-
     family = _target_family(synthesis_target(cfg))
     return [n for n in LIBRARY_NAMES if _target_family(library_env(n).target) == family]
 
 
 def stage_reads(cfg):
-    from tracekit.stages import AGENT_ENGINE_READS
-
     reads = ["grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS, "baselines.untargeted_synthetic"]
     if cfg.baselines.untargeted_synthetic.envs_dir is None:  # the library: the target's family, the difficulty
         reads += ["benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs", "synthesis.difficulty"]
@@ -48,9 +50,6 @@ def stage_inputs(cfg):
 
 
 def _write_library_packages(cfg, root: Path) -> list[Path]:
-    from tracekit.synthesis.library import library_env
-    from tracekit.synthesis.stage import PACKAGE
-
     pkgs = []
     for name in family_environments(cfg):
         cls = library_env(name)
@@ -64,24 +63,17 @@ def _write_library_packages(cfg, root: Path) -> list[Path]:
 
 
 def user_packages(envs_dir: str) -> list[Path]:
-    from tracekit.synthesis.stage import PACKAGE
-
     root = Path(envs_dir).expanduser()
     return sorted(p for p in root.iterdir() if (p / PACKAGE).is_file()) if root.is_dir() else []
 
 
 def packages_content(cfg):
     """The user folder's packages' content (part of the stage's key: editing a package recomputes)."""
-    from tracekit.stages import package_identity
-
     d = cfg.baselines.untargeted_synthetic.envs_dir
     return {p.name: package_identity(p) for p in user_packages(d)} if d else None
 
 
 def untargeted_stage(ctx) -> None:
-    from tracekit.rl.launch import Factory
-    from tracekit.stages import grpo_run, package_identity, train_seeds
-
     cfg, s = ctx.cfg, ctx.cfg.baselines.untargeted_synthetic
     pkgs = user_packages(s.envs_dir) if s.envs_dir else _write_library_packages(cfg, ctx.work_dir / "envs")
     if not pkgs:
@@ -116,8 +108,6 @@ class UntargetedSynthetic(Method):
         return ("untargeted_synthetic",)
 
     def validate(self, cfg):
-        from tracekit.config import ConfigError
-
         d = cfg.baselines.untargeted_synthetic.envs_dir
         if d is not None and not user_packages(d):
             raise ConfigError(f"baselines.untargeted_synthetic.envs_dir={d!r} is invalid: must be a folder holding "

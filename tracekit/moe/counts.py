@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from tracekit.moe.layer import LoRAMoELinear
+
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
@@ -19,8 +21,6 @@ def gate_param_count(hidden_size: int, n_blocks: int, n_slots: int) -> int:
 
 def composed_parameter_counts(moe: nn.Module) -> dict[str, Any]:
     """Counts for a built LoRAMoEModel: backbone, each adapter (its own rank, unpadded), gates, bank storage."""
-    from tracekit.moe.layer import LoRAMoELinear
-
     projections = [m for m in moe.model.modules() if isinstance(m, LoRAMoELinear)]
     backbone = count_params(moe.model)  # the banks live in moe.banks, outside the backbone
     adapters = {

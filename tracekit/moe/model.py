@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.moe.counts import composed_parameter_counts, format_counts
 from tracekit.moe.layer import BlockGate, BlockRouting, LoRAMoELinear, RoutingSpec
 
 log = logging.getLogger(__name__)
@@ -334,8 +335,6 @@ class LoRAMoEModel(nn.Module):
             raise RuntimeError(f"only the gates may train; requires_grad is wrong for: {wrong[:10]}")
 
     def parameter_counts(self) -> dict[str, Any]:
-        from tracekit.moe.counts import composed_parameter_counts
-
         return composed_parameter_counts(self)
 
     # ------------------------------------------------------------------ save / load
@@ -470,7 +469,6 @@ def build_lora_moe(
     model = LoRAMoEModel(backbone, loaded, config, backbone_spec)
     for a in loaded:
         a.factors.clear()  # the bank holds them now
-    from tracekit.moe.counts import format_counts
 
     log.info(
         "LoRA-MoE: %d adapters %s over %d blocks, %d adapted projections, %d gate slots\n%s",

@@ -32,6 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
+from tracekit.cli import compose_config, task
+from tracekit.config import ConfigError
+from tracekit.methods.consolidate.moe import moe_report
+from tracekit.paired import Z95, paired_vs_base, required_n
+from tracekit.planted.curves import adapter_curves, write_curves
+from tracekit.planted.warmstart import PlantedSpec, planted_record
+from tracekit.wiring import backbone_dict
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +73,6 @@ def row_summary(r: dict[str, Any]) -> dict[str, Any]:
 def paired_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each non-base row's paired comparison with Base: the one ``write_results`` stored (``paired_vs_base``),
     else recomputed from the rows' ``outcomes``; rows evaluated before outcomes were kept have none."""
-    from tracekit.paired import paired_vs_base
-
     stored = {label: r["paired_vs_base"] for label, r in results.items() if "paired_vs_base" in r}
     return {**paired_vs_base(results), **stored}
 
@@ -79,8 +84,6 @@ def power(s: dict[str, Any]) -> dict[str, Any] | None:
     """The power of a paired comparison: the 95% half-width its per-episode differences achieve (normal,
     1.96 sd / sqrt(n), and the bootstrap CI's half-width) and ``required_n`` for +-5 points (None when the sd is
     0: no discordant episode, nothing to scale)."""
-    from tracekit.paired import Z95, required_n
-
     sd, n = s["sd_diff"], s["n_episodes"]
     if sd is None:
         return None
@@ -123,15 +126,11 @@ def power_md(pw: dict[str, Any] | None) -> list[str]:
 
 def compose_variant(overrides: list[str], run_dir: Path) -> Any:
     """The validated config of one variant (``tracekit.config.ConfigError`` or Hydra's error when refused)."""
-    from tracekit.cli import compose_config
-
     return compose_config([*overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={run_dir.resolve()}"])
 
 
 def run_variant(cfg: Any, run_dir: Path) -> dict[str, Any]:
     """Run the app to ``evaluate`` on a composed variant; the run's results, artifacts and seconds."""
-    from tracekit.cli import task
-
     t0 = time.time()
     task(cfg)
     arts = read_json(run_dir / "artifacts.json")
@@ -145,9 +144,6 @@ def _of(arts: dict[str, Any], stage: str) -> Path | None:
 
 
 def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
-    from tracekit.methods.consolidate.moe import moe_report
-    from tracekit.planted.curves import adapter_curves, write_curves
-
     out.mkdir(parents=True, exist_ok=True)
     table: dict[str, Any] = {}
     curves: dict[str, Any] = {}
@@ -180,8 +176,6 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
                 gate_md += [f"## {name}", "", moe_report(c), ""]
     first = next(iter(variants.values()))
     cfg = first["cfg"]
-    from tracekit.planted.warmstart import PlantedSpec, planted_record
-    from tracekit.stages import backbone_dict
 
     if cfg.backbone.get("planted"):  # the planted testbed's warm start; experiment=gain has none
         spec = PlantedSpec.from_config(cfg.backbone.planted)
@@ -243,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from tracekit.config import ConfigError
 
     # every variant composed and validated first: a refused one costs no (GPU) time spent on the others
     planned = {}

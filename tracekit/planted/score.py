@@ -26,7 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tracekit.artifacts import atomic_write_text, read_json
+from tracekit.artifacts import StageCache, atomic_write_json, atomic_write_text, read_json
+from tracekit.cli import compose_config
+from tracekit.config import ConfigError
+from tracekit.pipeline import RunRecord
+from tracekit.planted.warmstart import PlantedSpec
+from tracekit.report.logging import RunLogger
+from tracekit.runs import trajectories_of
+from tracekit.stages import build_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +52,6 @@ def precision_recall(selected: list[str], planted: list[str]) -> tuple[float | N
 def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] = DELTAS,
              rhos: tuple[float, ...] = RHOS, run_root: Path = Path("outputs/planted/runs")) -> list[dict[str, Any]]:
     """One row per (seed, delta, rho): the selected capabilities, precision, recall and what was computed."""
-    from tracekit.artifacts import StageCache
-    from tracekit.cli import compose_config
-    from tracekit.pipeline import RunRecord
-    from tracekit.planted.warmstart import PlantedSpec
-    from tracekit.report.logging import RunLogger
-    from tracekit.stages import build_pipeline
-
     rows = []
     for seed in seeds:
         first = True
@@ -93,8 +93,6 @@ def run_grid(overrides: list[str], seeds: list[int], deltas: tuple[float, ...] =
 def base_success_by_env(cache: Any, record: Any) -> dict[str, list[int]]:
     """{environment: [successes, episodes]} of the run's base rollout: whether the warm start made the strong
     capabilities strong and left the planted ones weak."""
-    from tracekit.stages import trajectories_of
-
     art = next(a for a in record.artifacts.values() if a["stage"] == "rollout")
     counts: dict[str, list[int]] = {}
     for t in trajectories_of(cache.lookup("rollout", art["key"])):
@@ -212,14 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=planted)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
-    from tracekit.config import ConfigError
 
     try:
         rows = run_grid(a.overrides, a.seeds, tuple(a.deltas), tuple(a.rhos), run_root=a.out / "runs")
     except (ConfigError, ValueError) as e:
         print(f"tracekit.planted.score: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    from tracekit.artifacts import atomic_write_json
 
     atomic_write_json(a.out / "planted_analysis.json", rows, sort_keys=False)
     paths = render(rows, a.out)

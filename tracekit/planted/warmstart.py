@@ -33,7 +33,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tracekit.types import stable_hash
+from tracekit.agents import GoldAgent
+from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
+from tracekit.llm.backbones import _gguf_key, cache_root, cached_folder, get_spec, load_backbone
+from tracekit.llm.tools import tool_call_id
+from tracekit.methods.adp_data import assistant_turns
+from tracekit.rl.settings import LoraSettings
+from tracekit.rl.sft import SFTSettings, train_sft
+from tracekit.rl.tokens import build_rows
+from tracekit.synthesis.library import LIBRARY_NAMES
+from tracekit.synthesis.library_target import LibraryTargetSuite
+from tracekit.types import Message, ToolCall, stable_hash
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +55,6 @@ FAMILY = "tau2"  # the library environments the testbed plants deficits in (the 
 
 def library_capabilities(family: str = FAMILY) -> dict[str, str]:
     """{capability: library environment} of the built-in environments of ``family`` (no import of the envs)."""
-    from tracekit.synthesis.library import LIBRARY_NAMES
-
     prefix = f"{family}_"
     return {n[len(prefix):]: n for n in LIBRARY_NAMES if n.startswith(prefix)}
 
@@ -137,10 +145,6 @@ def gold_episode(suite: Any, task: Any) -> tuple[list[Any], list[dict[str, Any]]
     """Replay ``task``'s ground-truth calls in ``suite`` (a LibraryTargetSuite), then report its expected
     outputs: (messages, tools, outcome). Call ids are the ones the chat client assigns
     (``llm.tools.tool_call_id``), so the demonstration renders as the agent's own turns would."""
-    from tracekit.agents import GoldAgent
-    from tracekit.llm.tools import tool_call_id
-    from tracekit.types import Message, ToolCall
-
     ep = suite.episode(task, 0)
     obs = ep.reset()
     messages = list(obs.messages)
@@ -163,10 +167,6 @@ def gold_episode(suite: Any, task: Any) -> tuple[list[Any], list[dict[str, Any]]
 def demonstrations(spec: PlantedSpec, tokenizer: Any) -> tuple[list[tuple[list[int], list[int]]], list[dict[str, Any]],
                                                                 dict[str, Any]]:
     """The warm start's SFT rows, the demonstrations (for ``demos.jsonl``) and a per-environment record."""
-    from tracekit.methods.adp_data import assistant_turns
-    from tracekit.rl.tokens import build_rows
-    from tracekit.synthesis.library_target import LibraryTargetSuite
-
     rows: list[tuple[list[int], list[int]]] = []
     demos: list[dict[str, Any]] = []
     record: dict[str, Any] = {}
@@ -212,8 +212,6 @@ def base_identity(base: Any) -> dict[str, Any]:
     """What the warm start starts from: the base spec's identity (plus the bundled file's key for gguf)."""
     ident = {k: getattr(base, k) for k in ("name", "source", "hf_id", "chat_format", "arch", "seed")}
     if base.source == "gguf":
-        from tracekit.llm.backbones import _gguf_key
-
         ident["gguf"] = _gguf_key("smollm2_135m")
     return ident
 
@@ -224,8 +222,6 @@ def planted_key(spec: PlantedSpec, base: Any) -> str:
 
 def planted_dir(backbone: Any, device: str = "cpu", cache_dir: str | Path | None = None) -> Path:
     """The planted backbone folder of ``backbone`` (a BackboneSpec with ``planted`` set), built once."""
-    from tracekit.llm.backbones import cache_root, cached_folder
-
     spec = PlantedSpec.from_config(backbone.planted)
     base = dataclasses.replace(backbone, planted=None)
     final = cache_root(cache_dir) / "planted" / f"{backbone.name}-{planted_key(spec, base)}"
@@ -238,10 +234,6 @@ def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
     import torch
     from peft import PeftModel
 
-    from tracekit.artifacts import atomic_write_json, write_jsonl
-    from tracekit.llm.backbones import load_backbone
-    from tracekit.rl.settings import LoraSettings
-    from tracekit.rl.sft import SFTSettings, train_sft
 
     t0 = time.time()
     model, tokenizer = load_backbone(base, device, "float32", cache_dir)
@@ -272,9 +264,6 @@ def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
 
 def planted_record(backbone: Any, cache_dir: str | Path | None = None) -> dict[str, Any] | None:
     """``planted.json`` of an already built planted backbone, None when it is not built (nothing is trained)."""
-    from tracekit.artifacts import read_json
-    from tracekit.llm.backbones import cache_root, get_spec
-
     backbone = get_spec(backbone)
     spec = PlantedSpec.from_config(backbone.planted)
     base = dataclasses.replace(backbone, planted=None)

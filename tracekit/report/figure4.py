@@ -25,38 +25,37 @@ import time
 from typing import Any
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
+from tracekit.evaluate import summarize
+from tracekit.methods.consolidate import (STRATEGIES, adapters_budget, compose_inputs, compose_reads, read_consolidated,
+                                          write_consolidated)
+from tracekit.methods.gepa import RUN_RESULT, _values, gepa_run, run_reads
+from tracekit.methods.gepa import RESULT as GEPA_RESULT
+from tracekit.methods.grpo_target import read_result
+from tracekit.methods.prompt_only import prompt_policy
+from tracekit.methods.target_train import capabilities_block, ranked_capabilities
 from tracekit.pipeline import Stage
+from tracekit.policy import Policy
+from tracekit.runs import adapters_of, policy_trajectories
 from tracekit.types import stable_hash
+from tracekit.wiring import rollout_reads
 
 DATA = "figure4.json"
 
 
 def figure4_reads(cfg) -> tuple[str, ...]:
-    from tracekit.methods.gepa import run_reads
-    from tracekit.stages import compose_reads, rollout_reads
-
     return tuple(dict.fromkeys([*rollout_reads(cfg), *compose_reads(cfg), *run_reads(cfg), "baselines.gepa"]))
 
 
 def figure4_inputs(cfg) -> tuple[str, ...]:
-    from tracekit.stages import compose_inputs
-
     return tuple(dict.fromkeys(["rollout", "select", "train", "compose", "gepa", "grpo_target", *compose_inputs(cfg)]))
 
 
 def _pass_rate(ctx, policy) -> float:
-    from tracekit.evaluate import summarize
-    from tracekit.stages import policy_trajectories
-
     return float(summarize(policy_trajectories(ctx, policy))["overall"]["pass_rate"])
 
 
 def top_k_composition(ctx, adapters: dict[str, Artifact]):
     """The configured consolidation over ``adapters`` as the sub-artifact ``compositions/<key>``; its policy."""
-    from tracekit.methods.consolidate import STRATEGIES, read_consolidated, write_consolidated
-    from tracekit.methods.gepa import _values
-    from tracekit.stages import compose_reads
-
     cfg = ctx.cfg
     strategy = STRATEGIES[cfg.consolidation.method]
     key = stable_hash({"reads": _values(cfg, compose_reads(cfg)), "seed": ctx.seed,
@@ -72,14 +71,6 @@ def top_k_composition(ctx, adapters: dict[str, Artifact]):
 
 
 def figure4_stage(ctx) -> None:
-    from tracekit.methods.base import Policy
-    from tracekit.methods.consolidate import adapters_budget, read_consolidated
-    from tracekit.methods.gepa import RESULT as GEPA_RESULT, RUN_RESULT, gepa_run
-    from tracekit.methods.grpo_target import read_result
-    from tracekit.methods.prompt_only import prompt_policy
-    from tracekit.methods.target_train import ranked_capabilities
-    from tracekit.stages import adapters_of
-
     cfg = ctx.cfg
     adapters = adapters_of(ctx.inputs["train"])
     ranked = ranked_capabilities(ctx.inputs["select"], only=set(adapters))
@@ -131,8 +122,6 @@ def figure4_stage(ctx) -> None:
 
 
 def _suffix(run: dict[str, Any], candidate: dict[str, str]) -> str:
-    from tracekit.methods.target_train import capabilities_block
-
     return capabilities_block([(name, candidate[name]) for name in run["capabilities"]])
 
 

@@ -15,8 +15,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from tracekit.artifacts import read_json
-from tracekit.evaluate import RESULTS
+from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
+from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,6 @@ def _rates(result: dict[str, Any]) -> Any:
 
 class SideBySideTable(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from tracekit.artifacts import atomic_write_json, atomic_write_text
-        from tracekit.evaluate import markdown_table, wandb_rows
-
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
         rows, notes = gather_rows(jobs)

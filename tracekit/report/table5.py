@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracekit.llm.backbones import build_config
 from tracekit.moe.counts import count_params, format_counts, gate_param_count
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ OFFICIAL_TARGETS = ATTENTION + MLP
 
 
 def qwen3_30b_a3b_config() -> Any:
-    from tracekit.llm.backbones import build_config
-
     return build_config("qwen3_30b_a3b")  # the public config.json numbers (tracekit.llm.backbones)
 
 

@@ -21,6 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from tracekit.targets import target, target_of
+
+
 PAPER_BACKBONES = ("qwen3_30b_a3b", "qwen3_6_27b")  # Qwen3-30B-A3B-Instruct-2507, Qwen3.6-27B (Table 1)
 
 @dataclass(frozen=True)
@@ -54,8 +57,6 @@ def _eval_mode(cfg: DictConfig) -> str:
 
 def _is_tau2(cfg: DictConfig) -> bool:
     """tau^2's LLM user simulator is the paper's for this run (the target says: tau^2 and its stand-ins)."""
-    from tracekit.targets import target_of
-
     return target_of(cfg).paper_user_applies(cfg)
 
 
@@ -125,16 +126,12 @@ def _fmt(v: Any) -> str:
 def describe_target(b: DictConfig) -> str:
     """What the benchmark config runs: its name, and how many tasks of what (the target's
     :meth:`~tracekit.targets.base.Target.describe_tasks`)."""
-    from tracekit.targets import target
-
     return target(b.kind).describe_tasks(b)
 
 
 def target_cut(cfg: DictConfig) -> Cut | None:
     """The benchmark against the paper's task set of its target (``Target.paper_tasks_of``); None when it is the
     full set, or when the paper does not use the target (nothing to compare its tasks with)."""
-    from tracekit.targets import target
-
     b = cfg.benchmark
     t = target(b.kind)
     full = t.paper_tasks_of(b)

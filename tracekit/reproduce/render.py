@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracekit.evaluate import mean_ci
 from tracekit.reproduce.spec import Column, Row, Spec
+from tracekit.synthesis.library import LIBRARY_NAMES, library_env
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,6 @@ def family(env: str) -> str:
     """The tau^2 family of a result column: ``tau2_airline`` for itself and for its library environments."""
     if env in ("tau2_airline", "tau2_retail"):
         return env
-    from tracekit.synthesis.library import LIBRARY_NAMES, library_env
 
     return library_env(env).target if env in LIBRARY_NAMES else env
 
@@ -75,8 +76,6 @@ def _counts(domains: dict[str, Any], col: Column) -> tuple[int, int, float] | No
 
 def measure(result: dict[str, Any], col: Column) -> Value:
     """Our value of one column from one results.json row (see the module docstring)."""
-    from tracekit.evaluate import mean_ci
-
     runs = [r["domains"] for r in result.get("runs", {}).values()] or [result["domains"]]
     per_run = [c for c in (_counts(d, col) for d in runs) if c is not None]
     if not per_run:

@@ -25,10 +25,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tracekit.artifacts import atomic_write_json, atomic_write_text
+from tracekit.cli import task
+from tracekit.config import register_configs
+from tracekit.llm.backbones import build_config
+from tracekit.moe.counts import count_params, gate_param_count
+from tracekit.report.table5 import lora_param_count, meta_causal_lm
 from tracekit.reproduce import render
+from tracekit.reproduce.paper import cuts_dict, setting_line, setting_markdown
 from tracekit.reproduce.render import RowResult, Value
-from tracekit.reproduce.spec import (CONF, Plan, Spec, blocked_line, find_spec, load_spec, merge_overrides, plan,
-                                     row_name)
+from tracekit.reproduce.spec import (CONF, Composer, Plan, Row, Spec, SpecError, blocked_line, find_spec,
+                                     is_hydra_override, load_spec, merge_overrides, override_key, plan, row_name,
+                                     spec_paths)
 
 TABLE_FILES = ("table.md", "table.csv", "table.tex", "table.png", "results.json", "summary.md")
 
@@ -69,8 +77,6 @@ def launch(plan_: Plan, rows_dir: Path, say: Say, on_job: Any = None) -> dict[in
     from hydra.core.plugins import Plugins
     from hydra.types import HydraContext, RunMode
 
-    from tracekit.cli import task
-    from tracekit.config import register_configs
 
     jobs = jobs_of(plan_)
     register_configs()
@@ -206,8 +212,6 @@ def _collect_results(spec: Spec, res: RowResult, run_dir: Path) -> None:
 def figure4_points(spec: Spec, res: RowResult) -> list[RowResult]:
     """Figure 4 from the ``figure4`` stage (``tracekit.report.figure4``): one row per curve point, ours beside the
     paper's points (``paper.points``) at the same (series, x)."""
-    from tracekit.reproduce.spec import Row
-
     ours: dict[tuple[str, float], float] = {}
     data = res.extra.get("figure4")
     if data is not None and spec.figure.get("panel") == "a":
@@ -261,8 +265,6 @@ def _collect_selection(res: RowResult, run_dir: Path) -> None:
 
 def write_table(spec: Spec, results: list[RowResult], table_dir: Path, summary_head: str) -> list[Path]:
     """table.md/.csv/.tex, the PNG(s), results.json and summary.md; the images (for W&B)."""
-    from tracekit.artifacts import atomic_write_json, atomic_write_text
-
     if spec.figure.get("source") == "figure4":  # one stage run: its curves become the rows
         results = figure4_points(spec, results[0])
 
@@ -339,8 +341,6 @@ def table_dir_for(spec: Spec, scale: str, out: str | None) -> Path:
 def reproduce(name: str, overrides: Sequence[str] = (), partial: bool = False, out: str | None = None,
               log_rows: bool = False) -> tuple[Path, list[RowResult]]:
     """Run one table or figure; (its dir, its rows). TableRefused (one line) before any work when it cannot."""
-    from tracekit.reproduce.paper import cuts_dict, setting_line, setting_markdown
-
     spec = load_spec(find_spec(name))
     say = Say(spec.id)
     if spec.kind == "parameters":
@@ -395,11 +395,6 @@ def _row_specific_cuts(row_cuts: dict[str, dict[str, Any]]) -> list[str]:
 def parameters_table(spec: Spec, overrides: Sequence[str], out: str | None, say: Say) -> tuple[Path, list[RowResult]]:
     """Table 5: parameter counts of the paper's backbone on the meta device (no weights, no download), at the
     LoRA settings of the spec's preset; the same at every scale (it costs seconds)."""
-    from tracekit.llm.backbones import build_config
-    from tracekit.reproduce.spec import Composer, is_hydra_override, override_key
-    from tracekit.report.table5 import lora_param_count, meta_causal_lm
-    from tracekit.moe.counts import count_params, gate_param_count
-
     user = [o for o in overrides if not is_hydra_override(o) and override_key(o) != "scale"]
     with Composer() as c:
         cfg = c.compose(merge_overrides([f"experiment={spec.experiment}"], user))
@@ -445,7 +440,6 @@ def check_all(names: Sequence[str], overrides: Sequence[str] = ()) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    from tracekit.reproduce.spec import SpecError, spec_paths
 
     ap = argparse.ArgumentParser(
         prog="python -m tracekit.reproduce",

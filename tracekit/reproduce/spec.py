@@ -36,6 +36,11 @@ from typing import Any
 
 import yaml
 
+from tracekit.config import ConfigError, register_configs
+from tracekit.methods import METHODS
+from tracekit.methods.consolidate import STRATEGIES
+from tracekit.validate import validate
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXPERIMENTS = ROOT / "experiments"
 CONF = ROOT / "conf"
@@ -270,9 +275,6 @@ class Plan:
 def _registry_problems(method: str | None, target: str | None, backbone: str | None,
                        overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     """(not built, invalid) pieces a row names, from the registries and conf/ at run time."""
-    from tracekit.methods import METHODS
-    from tracekit.methods.consolidate import STRATEGIES
-
     missing, invalid = [], []
     if method is not None and method not in METHODS:
         missing.append(f"method {method!r} is not in the methods registry (built: {', '.join(METHODS)})")
@@ -301,7 +303,6 @@ def plan(spec: Spec, user_overrides: Sequence[str] = (), log_rows: bool = False)
     work. Rows that compose alike are composed once (a table's rows mostly differ in ``eval.methods`` only)."""
     from omegaconf import open_dict
 
-    from tracekit.config import ConfigError, validate
 
     hydra_ov = [o for o in user_overrides if is_hydra_override(o)]
     user = [o for o in user_overrides if not is_hydra_override(o)]
@@ -359,7 +360,6 @@ class Composer:
         from hydra import initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
-        from tracekit.config import register_configs
 
         register_configs()
         self._context = None

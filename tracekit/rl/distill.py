@@ -62,22 +62,15 @@ import torch
 
 from tracekit.artifacts import write_jsonl
 from tracekit.envs.base import EnvSuite
+from tracekit.llm.decoding import causal_lm_of
+from tracekit.rl.components import (MetricsCSV, adamw_backend, check_settings, load_checkpoint, place_model,
+                                    save_checkpoint, save_peft_adapter, seed_everything)
+from tracekit.rl.engines import HFEngine
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
 from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import LoraSettings
-from tracekit.rl.components import (
-    MetricsCSV,
-    adamw_backend,
-    check_settings,
-    load_checkpoint,
-    place_model,
-    save_checkpoint,
-    save_peft_adapter,
-    seed_everything,
-)
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
-from tracekit.llm.decoding import causal_lm_of
-from tracekit.rl.trainer import build_peft_model, sequence_logprobs, set_activation_checkpointing
+from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
@@ -266,8 +259,6 @@ def hf_engine_factory(
     chat_format: str, max_prompt_tokens: int, batch_size: int, fast: str
 ) -> Callable[[torch.nn.Module, Any], Any]:
     """The in-process hf rollout engine on the live (peft) model, as GRPOTrainer's default."""
-    from tracekit.rl.engines import HFEngine
-
     def factory(model: torch.nn.Module, tokenizer: Any) -> Any:
         kw = dict(chat_format=chat_format, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, fast=fast)
         return HFEngine(model, tokenizer, **kw)

@@ -248,8 +248,3 @@ class ClientEngine:
 
     def close(self) -> None:
         self.client.close()
-
-
-# The scale-out path (an OpenAI-compatible server with runtime LoRA loading: restarts between iterations,
-# recovery, prompt-id checks) lives in tracekit.rl.vllm_client; its names stay importable from here.
-from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings, parse_vllm_choice  # noqa: E402, F401

@@ -31,6 +31,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from tracekit.llm.moe_experts import _wrappers, lora_experts_forward, lora_experts_reason
+
 _ATTR = "_tracekit_fused"
 
 
@@ -62,8 +64,6 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def _experts_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    from tracekit.llm.moe_experts import lora_experts_forward, lora_experts_reason
-
     if len(args) != 2 or kwargs or lora_experts_reason(self) is not None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     return lora_experts_forward(self, hidden_states, *args)
@@ -71,8 +71,6 @@ def _experts_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torc
 
 def _lora_experts_wrappers(lm: torch.nn.Module) -> list[torch.nn.Module]:
     """The outermost peft ``ParamWrapper`` of every fused 3-D experts module (wrappers nest, one per parameter)."""
-    from tracekit.llm.moe_experts import _wrappers
-
     def is_wrapper(m):
         return hasattr(m, "parameter_name") and hasattr(m, "base_layer") and hasattr(m, "lora_A")
 

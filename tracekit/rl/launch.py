@@ -31,9 +31,16 @@ from typing import Any
 import torch
 
 from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.envs.pool import SuiteSpec, pooled
+from tracekit.llm.decoding import causal_lm_of
+from tracekit.llm.hf import HFChatClient
 from tracekit.ports import free_port
+from tracekit.rl.engines import ClientEngine
+from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import LauncherSettings
-from tracekit.rl.trainer import Dist, GRPOSettings, GRPOTrainer
+from tracekit.rl.model import Dist
+from tracekit.rl.trainer import GRPOSettings, GRPOTrainer
+from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +125,6 @@ class DeepSpeedBackend:
 
         self.stage = stage
         if stage == 3:
-            from tracekit.rl.fused import set_fused_update_kernels
-            from tracekit.llm.decoding import causal_lm_of
-
             # ZeRO-3 gathers a module's parameters in that module's forward hooks; the fused LoRA
             # forward reads lora_A/lora_B weights without calling those modules (shape-[0] partitions).
             if set_fused_update_kernels(causal_lm_of(model), False):
@@ -187,9 +191,6 @@ def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, A
     if kind == "hf":
         return None
     if kind == "agent":  # the evaluated agent's chat client (its tool-call grammar included) on the live model
-        from tracekit.llm.hf import HFChatClient
-        from tracekit.rl.engines import ClientEngine
-
         options = {k: v for k, v in spec.engine.items() if k != "kind"}
         if options.get("constrained_tool_calls") and spec.grpo.old_logprobs == "rollout":
             # a grammar-masked sampler reports masked log-probs; the policy's own must be recomputed
@@ -198,7 +199,6 @@ def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, A
     if kind == "vllm":
         if dist.active:
             raise NotImplementedError("grpo.engine=vllm under a multi-process launcher is not built: use launcher=local with vllm")
-        from tracekit.rl.engines import VLLMEngine, VLLMSettings
 
         s = VLLMSettings(**{k: v for k, v in spec.engine.items() if k != "kind"})
         if s.max_lora_rank < spec.grpo.lora.rank:
@@ -222,7 +222,6 @@ def run_training(
     """Build model, tokenizer and env from the spec's factories and train in this process."""
     dist = dist or Dist()
     factory = _engine_factory(spec, dist)
-    from tracekit.envs.pool import SuiteSpec, pooled
 
     model, tokenizer = spec.model.build()
     suite = spec.env.build()

@@ -45,21 +45,13 @@ from typing import Any
 import torch
 
 from tracekit.artifacts import iter_jsonl
-from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.llm.decoding import causal_lm_of
+from tracekit.rl.components import (MetricsCSV, adamw_backend, check_settings, load_checkpoint, place_model,
+                                    save_checkpoint, save_peft_adapter, seed_everything)
+from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
-from tracekit.rl.components import (
-    MetricsCSV,
-    adamw_backend,
-    check_settings,
-    load_checkpoint,
-    place_model,
-    save_checkpoint,
-    save_peft_adapter,
-    seed_everything,
-)
-from tracekit.rl.trainer import build_peft_model, sequence_logprobs, set_activation_checkpointing
+from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)

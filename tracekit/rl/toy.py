@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
 from tracekit.types import Message, Task
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]

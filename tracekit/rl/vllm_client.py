@@ -42,7 +42,9 @@ from typing import Any
 
 from tracekit.llm.base import EndpointError
 from tracekit.llm.decoding import Completion
+from tracekit.llm.hf import stop_token_ids
 from tracekit.ports import free_port
+from tracekit.rl.engines import PolicyChat
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +170,6 @@ class VLLMEngine:
         self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, chat_format: str = "qwen3", max_prompt_tokens: int = 32000
     ):
         import httpx
-
-        from tracekit.llm.hf import stop_token_ids
-        from tracekit.rl.engines import PolicyChat
 
         self.s = settings
         self.work_dir = Path(work_dir)

@@ -19,6 +19,9 @@ import resource
 import sys
 import traceback
 
+from tracekit.synthesis.protocol import EpisodeCore, Instance, find_env_class, score_actions
+from tracekit.types import Message, ToolCall
+
 MODULE_NAME = "tracekit_generated_env"
 _violations: list[str] = []
 
@@ -107,7 +110,6 @@ class Server:
     def load(self, req: dict) -> dict:
         for name in req.get("preload", []):  # trusted imports, before the hook is installed
             importlib.import_module(name)
-        from tracekit.synthesis.protocol import find_env_class
 
         _install_hook(self.workdir)
         spec = importlib.util.spec_from_file_location(MODULE_NAME, self.module_path)
@@ -123,8 +125,6 @@ class Server:
         return self.env
 
     def generate(self, req: dict) -> list:
-        from tracekit.synthesis.protocol import Instance
-
         out = []
         for z in req["seeds"]:
             inst = self._env().generate(int(z))
@@ -134,28 +134,19 @@ class Server:
         return out
 
     def open(self, req: dict) -> str:
-        from tracekit.synthesis.protocol import EpisodeCore, Instance
-
         self.counter += 1
         handle = f"ep{self.counter}"
         self.episodes[handle] = EpisodeCore(self._env(), Instance.model_validate(req["instance"]))
         return handle
 
     def call(self, req: dict) -> dict:
-        from tracekit.types import ToolCall
-
         return self.episodes[req["handle"]].execute(ToolCall.model_validate(req["call"])).model_dump(mode="json")
 
     def finish(self, req: dict) -> dict:
-        from tracekit.types import Message
-
         core = self.episodes.pop(req["handle"])
         return core.finish([Message.model_validate(m) for m in req["messages"]]).model_dump(mode="json")
 
     def score(self, req: dict) -> list:
-        from tracekit.synthesis.protocol import Instance, score_actions
-        from tracekit.types import Message
-
         return [score_actions(self._env(), Instance.model_validate(job["instance"]),
                               [Message.model_validate(m) for m in job["actions"]]).model_dump(mode="json")
                 for job in req["jobs"]]
@@ -175,7 +166,7 @@ def main() -> None:
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # the untrusted code's prints go to stderr, never into the reply channel
     server = Server(args.workdir)
-    import tracekit.synthesis.protocol  # noqa: F401  (trusted; imported before any untrusted code)
+    import tracekit.synthesis.protocol  # noqa: F401  # deferred: trusted, imported after the limits and sys.path are set, before any untrusted code
 
     for line in sys.stdin:
         req = json.loads(line)

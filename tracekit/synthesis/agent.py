@@ -25,18 +25,12 @@ from pydantic import BaseModel, Field
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, write_jsonl
 from tracekit.envs.base import EnvSuite
-from tracekit.synthesis.suite import SyntheticSuite
 from tracekit.llm.base import ChatClient, ChatRequest, EndpointError
-from tracekit.synthesis.calibrate import (
-    CalibrationReport,
-    CalibrationTargets,
-    RolloutFn,
-    calibrate_difficulty,
-    distance,
-    write_calibration,
-)
+from tracekit.synthesis.calibrate import (CalibrationReport, CalibrationTargets, RolloutFn, calibrate_difficulty,
+                                          distance, write_calibration)
 from tracekit.synthesis.library import LIBRARY_NAMES, library_env, library_source
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxError, SandboxLimits
+from tracekit.synthesis.suite import SyntheticSuite
 from tracekit.synthesis.targets import target_policy, target_tools
 from tracekit.synthesis.validate import ValidationConfig, ValidationReport, validate_source, write_report
 from tracekit.types import Capability, Message, stable_hash

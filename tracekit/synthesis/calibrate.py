@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text
 from tracekit.envs.base import EnvSuite
+from tracekit.rollout import read_trajectories, run_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,6 @@ def make_rollout_fn(agent: Any, work_dir: str | Path, **rollout_kwargs: Any) -> 
     Each (env, difficulty) gets its own resumable directory ``work_dir/<env>/difficulty-<d>``; the table maps
     task id -> [(reward, success), ...].
     """
-    from tracekit.rollout import read_trajectories, run_rollouts
-
     def rollout_fn(suite: EnvSuite, seeds: list[int], k: int) -> dict[str, list[tuple[float, bool]]]:
         wanted = set(seeds)
         tasks = [t for t in suite.tasks() if t.data.get("seed") in wanted]

@@ -7,7 +7,7 @@ capability-focused instance of a library environment (:mod:`tracekit.synthesis.l
 so the base agent solves some and fails others, and failures differ by capability.
 
 Tasks are ``<env>/seed-<z>`` with seeds from ``seed_offset`` on: disjoint from the seeds that validation
-(``0..n``) and GRPO training (``tracekit.stages.TRAIN_SEED_OFFSET`` on) draw, so evaluation is on held-out
+(``0..n``) and GRPO training (``tracekit.runs.TRAIN_SEED_OFFSET`` on) draw, so evaluation is on held-out
 instances. Each trajectory's ``env`` is its library environment, the evaluation's per-column unit.
 """
 
@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from tracekit.envs.base import EnvSuite, Episode, Observation, StepResult
+from tracekit.synthesis.library import LIBRARY_NAMES, library_env
 from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.types import Message, Task
 
@@ -28,8 +29,6 @@ class LibraryTargetSuite(EnvSuite):
 
     def __init__(self, name: str, envs: list[str], difficulty: int = 0, n_per_env: int = 4,
                  seed_offset: int = TARGET_SEED_OFFSET, user: UserKind = "scripted", **suite_kwargs: Any):
-        from tracekit.synthesis.library import LIBRARY_NAMES, library_env
-
         if not envs:
             raise ValueError("a synthetic target needs at least one library environment (benchmark.envs)")
         unknown = [e for e in envs if e not in LIBRARY_NAMES]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tracekit.envs.base import Episode, EnvSuite
+from tracekit.envs.base import EnvSuite, Episode
+from tracekit.synthesis.stage import open_package
 from tracekit.types import Task
 
 
@@ -40,6 +41,4 @@ class MixtureSuite(EnvSuite):
 
 def open_mixture(pkg_dirs: list[str | Path], seeds: list[int] | range, **kwargs: Any) -> MixtureSuite:
     """The mixture of environment packages (as :func:`tracekit.synthesis.stage.open_package` opens each)."""
-    from tracekit.synthesis.stage import open_package
-
     return MixtureSuite([open_package(p, seeds, **kwargs) for p in pkg_dirs])

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tracekit.artifacts import atomic_write_json, read_json
-from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.llm.base import ChatClient
 from tracekit.synthesis.agent import GenerationAgentConfig, GenerationSpec, generate_environment
 from tracekit.synthesis.calibrate import CalibrationTargets, RolloutFn, calibrate_difficulty, write_calibration
 from tracekit.synthesis.library import find_library_env, library_env
 from tracekit.synthesis.protocol import InProcessBackend
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxLimits
+from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.synthesis.targets import TARGETS
 from tracekit.synthesis.validate import ValidationConfig, validate_env, write_report
 from tracekit.types import Capability, Trajectory

@@ -11,29 +11,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
+from tracekit.coding.suite import GENERIC_POLICY, TOOLS
+from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
+
 TAU2_TARGETS = ("tau2_airline", "tau2_retail")
 TARGETS = (*TAU2_TARGETS, "toolsandbox", "coding")  # coding: tracekit/coding/suite.py (bash, submit)
-
-TOOLSANDBOX_SYSTEM_PROMPT = (
-    "Don't make assumptions about what values to plug into functions. "
-    "Ask for clarification if a user request is ambiguous."
-)
-
-
-TOOLSANDBOX_EXTRACT = Path(__file__).resolve().parent.parent / "targets" / "data" / "toolsandbox_tools.json"
-
-
-def _toolsandbox_tools() -> dict[str, dict[str, Any]]:
-    """Every agent-visible ToolSandbox tool as ToolSandbox's own converter gives it: a committed extract of the real
-    ToolSandbox (``scripts/extract_toolsandbox_tools.py``; ``tests/test_toolsandbox.py`` holds it against the
-    real one when ToolSandbox's environment is built)."""
-    tools = json.loads(TOOLSANDBOX_EXTRACT.read_text(encoding="utf-8"))["tools"]
-    return {t["function"]["name"]: t for t in tools}
-
 
 @functools.lru_cache(maxsize=None)
 def _tau2_toolkit(target: str):
@@ -56,10 +41,8 @@ def _target_tools(target: str) -> dict[str, dict[str, Any]]:
     if target in TAU2_TARGETS:
         return {name: tool.openai_schema for name, tool in _tau2_toolkit(target).get_tools().items()}
     if target == "toolsandbox":
-        return _toolsandbox_tools()
+        return toolsandbox_tools()
     if target == "coding":  # issue 20: the coding target's agent interface
-        from tracekit.coding.suite import TOOLS
-
         return {t["function"]["name"]: t for t in TOOLS}
     raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
 
@@ -89,8 +72,6 @@ def target_policy(target: str) -> str:
     if target == "toolsandbox":
         return TOOLSANDBOX_SYSTEM_PROMPT
     if target == "coding":
-        from tracekit.coding.suite import GENERIC_POLICY
-
         return GENERIC_POLICY
     raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
 

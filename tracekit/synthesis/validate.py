@@ -29,15 +29,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text
-from tracekit.synthesis.protocol import (
-    EnvBackend,
-    EnvInfo,
-    InProcessBackend,
-    Instance,
-    SyntheticEnv,
-    ground_truth_actions,
-    noop_actions,
-)
+from tracekit.synthesis.protocol import (EnvBackend, EnvInfo, InProcessBackend, Instance, SyntheticEnv,
+                                         ground_truth_actions, noop_actions)
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxError, SandboxLimits, isolation
 from tracekit.synthesis.targets import schema_mismatch, target_tools
 from tracekit.types import Message, ToolCall

@@ -18,6 +18,7 @@ from functools import cache
 
 from omegaconf import DictConfig
 
+from tracekit.synthesis.library import LIBRARY_NAMES
 from tracekit.targets.base import Target
 
 # kind -> (module, class); imported on first use (tau2 imports the benchmark, seconds)
@@ -58,8 +59,6 @@ def kinds() -> tuple[str, ...]:
 def kind_of_env(env: str) -> str:
     """The target kind a trajectory's ``env`` belongs to: a library environment's name -> ``synthetic``, ToolSandbox's
     (``toolsandbox``, ``toolsandbox_<variant>``) -> ``toolsandbox``, anything else -> ``tau2``."""
-    from tracekit.synthesis.library import LIBRARY_NAMES
-
     if env in LIBRARY_NAMES:
         return "synthetic"
     if env == "toolsandbox" or env.startswith("toolsandbox_"):

@@ -27,7 +27,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-ClientFor = Callable[[DictConfig, str], Any]  # tracekit.stages.client_for(cfg, role)
+from tracekit.evaluate import markdown_table, summarize
+
+ClientFor = Callable[[DictConfig, str], Any]  # tracekit.wiring.client_for(cfg, role)
 
 
 class Target:
@@ -65,7 +67,7 @@ class Target:
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
         """The training tasks as an EnvSuite, from ``cfg`` (``spec`` as a config) in a fresh process; ``seed_offset``:
-        where generated training instances start (``tracekit.stages.TRAIN_SEED_OFFSET``)."""
+        where generated training instances start (``tracekit.runs.TRAIN_SEED_OFFSET``)."""
         raise NotImplementedError(f"target {self.kind}: {self.training_split_problem(cfg)}")
 
     def train_envs(self, cfg: DictConfig) -> int:
@@ -106,11 +108,7 @@ class Target:
         raise NotImplementedError(f"target {self.kind}: no gold agent")
 
     def summarize(self, trajectories: list[Any]) -> dict[str, Any]:
-        from tracekit.evaluate import summarize
-
         return summarize(trajectories)
 
     def markdown_table(self, results: dict[str, Any]) -> str:
-        from tracekit.evaluate import markdown_table
-
         return markdown_table(results)

@@ -10,6 +10,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.agents import GoldAgent
+from tracekit.coding.config import build_suite, check, command_limits
+from tracekit.coding.config import build_suite as coding_suite
+from tracekit.coding.reference import CodingReferenceLabeler, reference_dictionary
+from tracekit.coding.sandbox import require_jail
+from tracekit.coding.swebench import SweBenchSuite
+from tracekit.config import _check
 from tracekit.targets.base import ClientFor, Target
 
 
@@ -21,15 +28,10 @@ class CodingTarget(Target):
     patch_reward = True  # the tasks carry their gold patches (SWE-RL's reward)
 
     def validate(self, cfg: DictConfig) -> None:
-        from tracekit.coding.config import check
-        from tracekit.config import _check
-
         for key, value, valid in check(cfg.benchmark):
             _check(False, key, value, valid)
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        from tracekit.coding.config import build_suite
-
         return build_suite(cfg.benchmark, cfg.paths.cache_dir, split)
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
@@ -48,7 +50,6 @@ class CodingTarget(Target):
         ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
         import os
 
-        from tracekit.coding.config import build_suite as coding_suite
 
         root = cache_dir or os.environ.get("TRACEKIT_CACHE") or os.path.join(
             os.environ.get("TRACEKIT_ROOT", os.getcwd()), "outputs", "cache")
@@ -59,18 +60,12 @@ class CodingTarget(Target):
         return "coding"
 
     def reference_dictionary(self) -> list[Any]:
-        from tracekit.coding.reference import reference_dictionary
-
         return reference_dictionary()
 
     def reference_labeler(self, noise: float) -> Any:
-        from tracekit.coding.reference import CodingReferenceLabeler
-
         return CodingReferenceLabeler(noise=noise)
 
     def gold_agent(self) -> Any:
-        from tracekit.agents import GoldAgent
-
         return GoldAgent()  # replays task.data["actions"]: apply the gold patch with bash, run the tests, submit
 
 
@@ -82,10 +77,6 @@ class SweBenchTarget(CodingTarget):
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
         """SWE-bench Verified's instances (its training tasks: the local coding split, :meth:`train_spec`).
         Refuses (JailUnavailable, one line) where the sandbox cannot start, before any work."""
-        from tracekit.coding.config import command_limits
-        from tracekit.coding.sandbox import require_jail
-        from tracekit.coding.swebench import SweBenchSuite
-
         require_jail()
         return SweBenchSuite.from_config(cfg.benchmark, command_limits(cfg.benchmark))
 

@@ -7,6 +7,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.agents import GoldAgent
+from tracekit.analysis.reference import ReferenceLabeler, reference_dictionary
+from tracekit.config import _check
 from tracekit.targets.base import ClientFor, Target
 
 TAU2_DOMAINS = ("airline", "retail")  # tracekit.envs.tau2.DOMAINS (importing it loads tau2: seconds)
@@ -14,7 +17,7 @@ TAU2_DOMAINS = ("airline", "retail")  # tracekit.envs.tau2.DOMAINS (importing it
 
 def build_user(cfg: DictConfig, client_for: ClientFor) -> Any:
     """tau^2's simulated user: scripted (offline) or tau^2's LLM user through the ``user.endpoint`` client."""
-    from tracekit.envs.users import LLMUser, ScriptedUser
+    from tracekit.envs.users import LLMUser, ScriptedUser  # deferred: imports tau2 (seconds)
 
     u = cfg.user
     if u.kind == "scripted":
@@ -31,15 +34,13 @@ class Tau2Target(Target):
     paper_tasks = "tau^2-Bench airline + retail, base split: 164 tasks (50 + 114)"
 
     def validate(self, cfg: DictConfig) -> None:
-        from tracekit.config import _check
-
         b = cfg.benchmark
         _check(len(b.domains) > 0, "benchmark.domains", list(b.domains), "a non-empty list with benchmark.kind=tau2")
         bad = [d for d in b.domains if d not in TAU2_DOMAINS]
         _check(not bad, "benchmark.domains", list(b.domains), f"tau^2 domains ({', '.join(TAU2_DOMAINS)})")
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        from tracekit.envs.tau2 import Tau2Suite
+        from tracekit.envs.tau2 import Tau2Suite  # deferred: imports tau2 (seconds)
 
         b = cfg.benchmark
         if b.policy != "full":
@@ -53,7 +54,7 @@ class Tau2Target(Target):
         b = cfg.benchmark
         if b.split == "train":
             return "benchmark.split=train: the evaluated tasks are tau^2's training tasks"
-        from tracekit.envs.tau2 import load_splits
+        from tracekit.envs.tau2 import load_splits  # deferred: imports tau2 (seconds)
 
         missing = [d for d in b.domains if not load_splits(d).get("train")]
         return f"tau^2 domain(s) {missing} have no 'train' split in split_tasks.json" if missing else None
@@ -63,7 +64,7 @@ class Tau2Target(Target):
 
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
-        from tracekit.envs.tau2 import Tau2Suite
+        from tracekit.envs.tau2 import Tau2Suite  # deferred: imports tau2 (seconds)
 
         b = cfg.benchmark
         return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
@@ -82,16 +83,10 @@ class Tau2Target(Target):
         return "tau2_retail"  # both domains: retail's tools (the larger split) as the family
 
     def reference_dictionary(self) -> list[Any]:
-        from tracekit.analysis.reference import reference_dictionary
-
         return reference_dictionary()
 
     def reference_labeler(self, noise: float) -> Any:
-        from tracekit.analysis.reference import ReferenceLabeler
-
         return ReferenceLabeler(noise=noise)
 
     def gold_agent(self) -> Any:
-        from tracekit.agents import GoldAgent
-
         return GoldAgent()

@@ -9,6 +9,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.config import _check
+from tracekit.synthesis.library import library_env
+from tracekit.synthesis.library_target import LibraryTargetSuite
 from tracekit.targets.base import ClientFor, Target
 from tracekit.targets.tau2 import Tau2Target
 
@@ -20,9 +23,6 @@ class LibraryTarget(Target):
     columns = ("overall",)
 
     def validate(self, cfg: DictConfig) -> None:
-        from tracekit.config import _check
-        from tracekit.synthesis.library import library_env
-
         b = cfg.benchmark
         _check(len(b.envs) > 0, "benchmark.envs", list(b.envs), "a non-empty list with benchmark.kind=synthetic")
         _check(b.limit is not None, "benchmark.limit", b.limit, ">= 1 (instances per environment)")
@@ -31,8 +31,6 @@ class LibraryTarget(Target):
             _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty, f"a difficulty level of {env} ({levels})")
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        from tracekit.synthesis.library_target import LibraryTargetSuite
-
         b = cfg.benchmark
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
@@ -52,8 +50,6 @@ class LibraryTarget(Target):
                     seed_offset: int) -> Any:
         """Instances of the same library environments at the target's difficulty from the training seeds
         (``seed_offset`` on)."""
-        from tracekit.synthesis.library_target import LibraryTargetSuite
-
         b = cfg.benchmark
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
@@ -65,8 +61,6 @@ class LibraryTarget(Target):
         return max(1, len(cfg.benchmark.envs))
 
     def _tau2_family(self, b: DictConfig) -> bool:
-        from tracekit.synthesis.library import library_env
-
         return bool(b.envs) and library_env(b.envs[0]).target.startswith("tau2")
 
     def paper_tasks_of(self, b: DictConfig) -> str | None:
@@ -80,8 +74,6 @@ class LibraryTarget(Target):
         return self._tau2_family(cfg.benchmark)  # tau^2's environments: tau^2's LLM user is the paper's
 
     def synthesis_family(self, cfg: DictConfig) -> str:
-        from tracekit.synthesis.library import library_env
-
         return library_env(cfg.benchmark.envs[0]).target  # the family of the library environments it is made of
 
     def reference_dictionary(self) -> list[Any]:

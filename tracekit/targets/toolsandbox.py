@@ -32,7 +32,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from tracekit.config import ConfigError, _check
+from tracekit.envs.toolsandbox import DOMAINS, ToolSandboxOracle, ToolSandboxSuite, base_name, missing_environment
+from tracekit.evaluate import BUDGET_COLUMNS, mean_ci, split_runs, summarize
 from tracekit.targets.base import ClientFor, Target
+from tracekit.targets.toolsandbox_labels import ToolSandboxReferenceLabeler, reference_dictionary
+from tracekit.types import stable_hash
 
 CATALOG = Path(__file__).with_name("data") / "toolsandbox_scenarios.json"
 BASE_CATEGORY = "NO_DISTRACTION_TOOLS"  # every base scenario's: no stratum of its own
@@ -61,8 +66,6 @@ def heldout_train_scenarios(seed: int, fraction: float = HELDOUT_TRAIN_FRACTION,
     """The training scenarios of the ``heldout`` split (sorted names): in each stratum a seeded ``fraction``,
     rounded down, and the leftover scenarios (the total rounded to ``fraction`` of all) given to the strata with
     the largest remainders, ties broken by the seed. Deterministic in ``seed``; a stratum of one may go either way."""
-    from tracekit.types import stable_hash
-
     rows = catalog() if rows is None else rows
     strata: dict[tuple[str, ...], list[str]] = defaultdict(list)
     for r in rows:
@@ -104,9 +107,6 @@ class ToolSandboxTarget(Target):
     paper_tasks = "ToolSandbox: 129 base scenarios"
 
     def validate(self, cfg: DictConfig) -> None:
-        from tracekit.config import ConfigError, _check
-        from tracekit.envs.toolsandbox import DOMAINS, base_name, missing_environment
-
         b = cfg.benchmark
         _check(len(b.domains) > 0 and all(d in DOMAINS for d in b.domains), "benchmark.domains", list(b.domains),
                f"a non-empty list of ToolSandbox domains ({', '.join(DOMAINS)}) with benchmark.kind=toolsandbox")
@@ -144,8 +144,6 @@ class ToolSandboxTarget(Target):
                 "max_retries": ep.max_retries}
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        from tracekit.envs.toolsandbox import ToolSandboxSuite
-
         if split not in (None, "base"):
             raise ValueError(f"ToolSandbox has no {split!r} split (its scenarios are one evaluation set)")
         b = cfg.benchmark
@@ -154,8 +152,6 @@ class ToolSandboxTarget(Target):
 
     def evaluated_scenarios(self, cfg: DictConfig) -> list[str]:
         """The base scenarios the evaluation plays (before RapidAPI skipping and ``limit``), from the catalog."""
-        from tracekit.envs.toolsandbox import base_name
-
         b = cfg.benchmark
         held = set(excluded_from_evaluation(b))
         chosen = {base_name(t) for t in b.task_ids} if b.task_ids else None
@@ -214,8 +210,6 @@ class ToolSandboxTarget(Target):
         """The training scenarios in ``benchmark.train_domains`` (default the evaluated domains). ``eval`` with the
         evaluated domains repeats the evaluation's selection exactly (task ids, its per-domain limit; then the
         training ``limit``)."""
-        from tracekit.envs.toolsandbox import ToolSandboxSuite
-
         b = cfg.benchmark
         domains = list(b.get("train_domains") or ()) or list(b.domains)
         limit = spec.get("limit")
@@ -241,25 +235,17 @@ class ToolSandboxTarget(Target):
         return "toolsandbox"
 
     def reference_dictionary(self) -> list[Any]:
-        from tracekit.targets.toolsandbox_labels import reference_dictionary
-
         return reference_dictionary()
 
     def reference_labeler(self, noise: float) -> Any:
-        from tracekit.targets.toolsandbox_labels import ToolSandboxReferenceLabeler
-
         return ToolSandboxReferenceLabeler(noise=noise)
 
     def gold_agent(self) -> Any:
-        from tracekit.envs.toolsandbox import ToolSandboxOracle
-
         return ToolSandboxOracle()
 
     def summarize(self, trajectories: list[Any]) -> dict[str, Any]:
         """The standard summary (reward = similarity, solved = perfect) plus ``similarity``: mean similarity,
         perfect count and rate, per run and per ToolSandbox category (stochastic runs: mean +- Student-t CI)."""
-        from tracekit.evaluate import mean_ci, split_runs, summarize
-
         out = summarize(trajectories)
         runs = split_runs(trajectories)
 
@@ -283,8 +269,6 @@ class ToolSandboxTarget(Target):
         return out
 
     def markdown_table(self, results: dict[str, Any]) -> str:
-        from tracekit.evaluate import BUDGET_COLUMNS
-
         budgets = any("budget" in r for r in results.values())
         header = ["Approach", "Scenarios", "Perfect", "Perfect (%)", "Mean Sim.", *(BUDGET_COLUMNS.values() if budgets else ())]
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Budget, Policy, PolicyKind, budget_sum, grpo_budget
+from tracekit.policy import Budget, Policy, PolicyKind, budget_sum, grpo_budget
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

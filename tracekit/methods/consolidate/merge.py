@@ -17,14 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 from tracekit.artifacts import Artifact
+from tracekit.merging.core_space import core_tsv_merge
+from tracekit.merging.lora_io import LoraFactors, read_adapter_config, read_lora_adapter, write_lora_adapter
+from tracekit.merging.merges import merge_cat, merge_dare_ties, merge_linear, merge_ties
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 
 SUBDIR = "adapter"
 
 
 def _scaled(factors: dict[str, Any], lam: float) -> dict[str, Any]:
-    from tracekit.merging.lora_io import LoraFactors
-
     return {m: LoraFactors(f.A, f.B * lam, f.scale) for m, f in factors.items()} if lam != 1.0 else factors
 
 
@@ -38,8 +39,6 @@ class Merge(Strategy):
         return (f"consolidation.{self.group}",)
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
-        from tracekit.merging.lora_io import read_adapter_config, read_lora_adapter, write_lora_adapter
-
         budget = adapters_budget(adapters)  # a merge consumes nothing beyond the adapters' GRPO runs
         out = ctx.work_dir / SUBDIR
         if len(adapters) == 1:
@@ -61,34 +60,24 @@ def _weights(settings: Any, n: int, default: float) -> list[float]:
 
 
 def _cat(factors, s, seed):
-    from tracekit.merging.merges import merge_cat
-
     return _scaled(merge_cat(factors), s.lam)
 
 
 def _linear(factors, s, seed):
-    from tracekit.merging.merges import merge_linear
-
     return _scaled(merge_linear(factors, _weights(s, len(factors), 1.0 / len(factors)), rank=s.rank), s.lam)
 
 
 def _ties(factors, s, seed):
-    from tracekit.merging.merges import merge_ties
-
     return _scaled(merge_ties(factors, s.density, _weights(s, len(factors), 1.0), s.majority_sign, rank=s.rank),
                    s.lam)
 
 
 def _dare_ties(factors, s, seed):
-    from tracekit.merging.merges import merge_dare_ties
-
     return _scaled(merge_dare_ties(factors, s.density, _weights(s, len(factors), 1.0), seed=seed,
                                    majority_sign=s.majority_sign, rank=s.rank), s.lam)
 
 
 def _core_tsv(factors, s, seed):
-    from tracekit.merging.core_space import core_tsv_merge
-
     return core_tsv_merge(factors, lam=s.lam, density=s.density, majority_sign=s.majority_sign,
                           isotropize=s.isotropize, rank_policy=s.rank_policy)
 

@@ -8,15 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.methods.base import Budget
+from tracekit.llm.backbones import load_backbone
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, mix_uniformly, split_heldout,
+                               train_gates, write_log_csv)
+from tracekit.moe.model import MoEConfig, build_lora_moe
+from tracekit.policy import Budget
+from tracekit.rl.sft import sft_examples
+from tracekit.wiring import backbone_dict, device, dtype
 
 
 def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
     """Token rows of a capability's GRPO rollouts (its own adapter in its own env) for gate training."""
-    from tracekit.moe.gate import GateExample
-    from tracekit.rl.sft import sft_examples
-
     return [GateExample(ids, mask) for ids, mask in sft_examples([adapter_dir], successes_only)]
 
 
@@ -28,18 +31,6 @@ class LoRAMoE(Strategy):
         return ("moe",)
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
-        from tracekit.llm.backbones import load_backbone
-        from tracekit.moe.gate import (
-            GateTrainConfig,
-            heldout_measures,
-            mix_uniformly,
-            split_heldout,
-            train_gates,
-            write_log_csv,
-        )
-        from tracekit.moe.model import MoEConfig, build_lora_moe
-        from tracekit.stages import backbone_dict, device, dtype
-
         cfg, m = ctx.cfg, ctx.cfg.moe
         groups = {cap: gate_examples(a.path, m.gate_data == "successes") for cap, a in adapters.items()}
         empty = [c for c, ex in groups.items() if not ex]

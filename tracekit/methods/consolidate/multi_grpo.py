@@ -10,9 +10,11 @@ spend them. It does not reuse the capability adapters.
 from __future__ import annotations
 
 from tracekit.artifacts import Artifact, read_json
-from tracekit.methods.base import grpo_budget
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
-from tracekit.methods.target_train import matched_iterations
+from tracekit.policy import grpo_budget
+from tracekit.rl.launch import Factory
+from tracekit.runs import grpo_run, matched_iterations, package_identity, train_seeds
+from tracekit.wiring import AGENT_ENGINE_READS
 
 
 class MultiGRPO(Strategy):
@@ -21,14 +23,9 @@ class MultiGRPO(Strategy):
     inputs = ("synthesize",)
 
     def reads(self, cfg):
-        from tracekit.stages import AGENT_ENGINE_READS
-
         return ("grpo", "launcher.kind", *AGENT_ENGINE_READS, "consolidation.budget")
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
-        from tracekit.rl.launch import Factory
-        from tracekit.stages import grpo_run, package_identity, train_seeds
-
         syn = ctx.inputs["synthesize"]
         ready = [e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
                  if e["status"] == "ready"]

@@ -12,8 +12,14 @@ from __future__ import annotations
 import math
 
 from tracekit.artifacts import Artifact, read_json
-from tracekit.methods.base import Budget
+from tracekit.llm.backbones import load_backbone
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+from tracekit.policy import Budget
+from tracekit.rl.distill import DistillSettings, train_distill
+from tracekit.runs import train_seeds
+from tracekit.synthesis.mixture import MixtureSuite
+from tracekit.synthesis.stage import open_package
+from tracekit.wiring import backbone_dict, device, dtype
 
 
 class OnPolicyDistill(Strategy):
@@ -27,11 +33,6 @@ class OnPolicyDistill(Strategy):
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         from omegaconf import OmegaConf
 
-        from tracekit.llm.backbones import load_backbone
-        from tracekit.rl.distill import DistillSettings, train_distill
-        from tracekit.stages import backbone_dict, device, dtype, train_seeds
-        from tracekit.synthesis.mixture import MixtureSuite
-        from tracekit.synthesis.stage import open_package
 
         cfg = ctx.cfg
         syn = ctx.inputs["synthesize"]

@@ -5,8 +5,11 @@ Successful ones by default (``consolidation.sft.data``); the data costs no new e
 from __future__ import annotations
 
 from tracekit.artifacts import Artifact
-from tracekit.methods.base import Budget
+from tracekit.llm.backbones import load_backbone
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+from tracekit.policy import Budget
+from tracekit.rl.sft import SFTSettings, sft_examples, train_sft
+from tracekit.wiring import backbone_dict, device, dtype
 
 
 class SFTSynthetic(Strategy):
@@ -19,9 +22,6 @@ class SFTSynthetic(Strategy):
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         from omegaconf import OmegaConf
 
-        from tracekit.llm.backbones import load_backbone
-        from tracekit.rl.sft import SFTSettings, sft_examples, train_sft
-        from tracekit.stages import backbone_dict, device, dtype
 
         cfg, s = ctx.cfg, ctx.cfg.consolidation.sft
         examples = sft_examples([a.path for a in adapters.values()], successes_only=s.data == "successes")

@@ -18,6 +18,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from tracekit.coding.repo import Workspace, read_tree, run_tests
+from tracekit.coding.sandbox import CommandLimits
+from tracekit.coding.suite import TOOLS
 from tracekit.synthesis.protocol import Call, Instance, SyntheticEnv, World
 from tracekit.types import Message, stable_hash
 
@@ -150,8 +153,6 @@ class CodingWorld(World):
     """A private copy of the instance's package; ``bash`` in the sandbox, ``submit`` freezes the tree."""
 
     def __init__(self, files: dict[str, str]):
-        from tracekit.coding.repo import read_tree
-
         self._read_tree = read_tree
         self._files = files
         self._ws: Any = None  # the copy is made on the first tool call (an episode that calls none needs none)
@@ -162,15 +163,11 @@ class CodingWorld(World):
     @property
     def ws(self) -> Any:
         if self._ws is None:
-            from tracekit.coding.repo import Workspace
-
             self._ws = Workspace(self._files, prefix="libenv-")
             weakref.finalize(self, self._ws.close)
         return self._ws
 
     def call(self, name: str, arguments: dict[str, Any]) -> Any:
-        from tracekit.coding.sandbox import CommandLimits
-
         if self.submitted is not None:
             raise RuntimeError("already submitted")
         if name == "submit":
@@ -201,8 +198,6 @@ def tests_pass(files: dict[str, str] | None) -> bool:
     """Every test of the package passes on ``files`` (run in the sandbox)."""
     if not files:
         return False
-    from tracekit.coding.repo import Workspace, run_tests
-    from tracekit.coding.sandbox import CommandLimits
 
     originals = [p for p in files if p.startswith("tests/")]
     with Workspace(files, prefix="libverify-") as ws:
@@ -220,8 +215,6 @@ class CodingEnv(SyntheticEnv):
     sizes = {0: (3, 1), 1: (6, 2)}  # difficulty -> (functions, modules)
 
     def tools(self) -> list[dict[str, Any]]:
-        from tracekit.coding.suite import TOOLS
-
         return [dict(t) for t in TOOLS]
 
     def new_world(self, instance: Instance) -> World:

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import re
 
-from tracekit.synthesis.library.coding_common import (
-    BANK,
-    CodingEnv,
-    failing_test_statement,
-)
+from tracekit.synthesis.library.coding_common import BANK, CodingEnv, failing_test_statement
 from tracekit.synthesis.protocol import Instance
 
 POLICY = """You are a software engineer. The repository in the current directory holds a small Python package and its

@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import difflib
 
-from tracekit.synthesis.library.coding_common import (
-    CodingEnv,
-    failing_test_statement,
-    fix_command,
-    tests_pass,
-)
+from tracekit.synthesis.library.coding_common import CodingEnv, failing_test_statement, fix_command, tests_pass
 from tracekit.synthesis.protocol import Instance
 
 POLICY = """You are a software engineer. The repository in the current directory holds a small Python package and its

@@ -8,12 +8,7 @@ even a correct one, scores 0. Difficulty: 0: three functions in one module; 1: s
 
 from __future__ import annotations
 
-from tracekit.synthesis.library.coding_common import (
-    CodingEnv,
-    failing_test_statement,
-    fix_command,
-    tests_pass,
-)
+from tracekit.synthesis.library.coding_common import CodingEnv, failing_test_statement, fix_command, tests_pass
 from tracekit.synthesis.protocol import Instance
 
 POLICY = """You are a software engineer. The repository in the current directory holds a small Python package and its

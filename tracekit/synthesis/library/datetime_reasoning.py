@@ -19,9 +19,9 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
+from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT
 from tracekit.synthesis.library.toolsandbox_common import ToolSandboxEnv, initial_state, to_ts, us_holidays, utc
 from tracekit.synthesis.protocol import Call, Instance, communicated
-from tracekit.synthesis.targets import TOOLSANDBOX_SYSTEM_PROMPT
 from tracekit.types import Message
 
 CONTENTS = ["buy chocolate milk", "call the dentist", "pick up the dry cleaning", "submit the expense report",

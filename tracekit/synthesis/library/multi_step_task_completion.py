@@ -14,16 +14,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tracekit.synthesis.library.tau2_common import (
-    PRODUCT_OPTIONS,
-    Ids,
-    Tau2Env,
-    new_instance,
-    pick_items,
-    retail_order,
-    retail_product,
-    retail_user,
-)
+from tracekit.synthesis.library.tau2_common import (PRODUCT_OPTIONS, Ids, Tau2Env, new_instance, pick_items,
+                                                    retail_order, retail_product, retail_user)
 from tracekit.synthesis.protocol import Instance
 
 POLICY = """# Retail agent policy (excerpt relevant to this task)

@@ -16,22 +16,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tracekit.synthesis.library.tau2_common import (
-    AIRPORTS,
-    Ids,
-    Tau2Env,
-    airline_flight,
-    airline_user,
-    available,
-    created_at,
-    flight_number,
-    flown,
-    future_date,
-    looked_up_before_writes,
-    new_instance,
-    person,
-    dob,
-)
+from tracekit.synthesis.library.tau2_common import (AIRPORTS, Ids, Tau2Env, airline_flight, airline_user, available,
+                                                    created_at, dob, flight_number, flown, future_date,
+                                                    looked_up_before_writes, new_instance, person)
 from tracekit.synthesis.protocol import Instance
 from tracekit.types import Message
 

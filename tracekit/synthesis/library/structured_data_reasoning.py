@@ -17,17 +17,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tracekit.synthesis.library.tau2_common import (
-    AIRPORTS,
-    Ids,
-    Tau2Env,
-    airline_flight,
-    airline_user,
-    available,
-    flight_number,
-    future_date,
-    new_instance,
-)
+from tracekit.synthesis.library.tau2_common import (AIRPORTS, Ids, Tau2Env, airline_flight, airline_user, available,
+                                                    flight_number, future_date, new_instance)
 from tracekit.synthesis.protocol import Instance
 
 CABIN_WORDS = {"economy": "economy", "business": "business", "basic_economy": "basic economy"}

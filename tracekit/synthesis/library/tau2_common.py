@@ -13,14 +13,7 @@ from typing import Any, ClassVar
 
 from loguru import logger
 
-from tracekit.synthesis.protocol import (
-    Instance,
-    SyntheticEnv,
-    World,
-    communicated,
-    db_match,
-    tool_calls_of,
-)
+from tracekit.synthesis.protocol import Instance, SyntheticEnv, World, communicated, db_match, tool_calls_of
 from tracekit.synthesis.targets import tool_schemas
 from tracekit.types import Message
 

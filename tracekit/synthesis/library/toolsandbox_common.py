@@ -15,8 +15,9 @@ import re
 from datetime import date, datetime, timedelta, timezone
 from typing import Any, ClassVar
 
+from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT
 from tracekit.synthesis.protocol import Instance, SyntheticEnv, World
-from tracekit.synthesis.targets import TOOLSANDBOX_SYSTEM_PROMPT, tool_schemas
+from tracekit.synthesis.targets import tool_schemas
 
 SETTINGS = ("low_battery_mode", "wifi", "cellular", "location_service")
 DEPENDENT = {"wifi": "Wifi", "cellular": "Cellular service", "location_service": "Location service"}

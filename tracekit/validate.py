@@ -1,0 +1,368 @@
+"""Value checks that run before any work: every key against the schema (:mod:`tracekit.config`), every value
+against its range (``RANGES``) or choices (``CHOICES``), the cross-field rules, each target's and each method's
+own checks, and the endpoints the stages will call (``needed_endpoints``, ``probe_endpoints``).
+
+A ``+key=value`` override adds keys even in struct mode (Hydra applies it with ``force_add``), so :func:`validate`
+walks the composed config against the schema again and raises :class:`~tracekit.config.ConfigError` with one line
+naming the key and what is valid. The choices some keys take come from the registries (methods, consolidation
+strategies, targets, stages, library environments): this module reads them; the schema does not.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+from tracekit.analysis.select import Thresholds
+from tracekit.coding.config import CHOICES as CODING_CHOICES
+from tracekit.coding.config import RANGES as CODING_RANGES
+from tracekit.config import (Config, ConfigError, _check, eval_benchmark, evaluation_config, interpolation_message,
+                             read_pinned_dictionary)
+from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX_DOMAINS
+from tracekit.envs.pool import valid_setting as valid_env_workers
+from tracekit.envs.toolsandbox import VARIANTS as TOOLSANDBOX_VARIANTS
+from tracekit.llm.base import EndpointError
+from tracekit.llm.openai import OpenAIChatClient
+from tracekit.llm.tools import CHAT_FORMATS
+from tracekit.methods import METHODS, validate_methods
+from tracekit.methods.consolidate import STRATEGIES
+from tracekit.planted.warmstart import PlantedSpec
+from tracekit.rl.distill import DistillSettings
+from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
+from tracekit.rl.sft import SFTSettings
+from tracekit.stages import build_pipeline
+from tracekit.synthesis.library import LIBRARY_NAMES
+from tracekit.targets import target_of
+from tracekit.targets.tau2 import TAU2_DOMAINS
+from tracekit.targets.toolsandbox import TRAIN_SPLITS as TOOLSANDBOX_TRAIN_SPLITS
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+# every numeric field's valid range ("[a, b]", "(a, b]", "> a", ">= a"; null passes where the field is
+# optional; a list field: each element)
+RANGES: dict[str, str] = {
+    "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
+    "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
+    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": ">= 0",
+    "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
+    "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
+    "analysis.temperature": "[0, 2]", "analysis.capabilities_per_call": ">= 0", "analysis.max_retries": ">= 0",
+    "analysis.compact_chars": ">= 200", "analysis.label_noise": "[0, 0.5]", "analysis.examples_per_capability": ">= 0",
+    "analysis.chunk_size": ">= 1", "analysis.min_capabilities": ">= 1", "analysis.max_capabilities": ">= 1",
+    "analysis.max_new_tokens": ">= 1",
+    "synthesis.repair_rounds": ">= 0", "synthesis.mutation_rounds": ">= 0", "synthesis.validation_seeds": ">= 1",
+    "synthesis.calibration_seeds": ">= 1", "synthesis.calibration_k": ">= 2", "synthesis.target_low": "[0, 1]",
+    "synthesis.target_high": "[0, 1]", "synthesis.min_informative": "[0, 1]", "synthesis.difficulty": ">= 0",
+    "synthesis.cpu_seconds": ">= 1", "synthesis.wall_seconds": ">= 1", "synthesis.memory_mb": ">= 256",
+    "grpo.iterations": ">= 1", "grpo.groups": ">= 1", "grpo.group_size": ">= 2", "grpo.temperature": "> 0",
+    "grpo.top_p": "(0, 1]", "grpo.max_new_tokens": ">= 1", "grpo.max_steps": ">= 1", "grpo.max_prompt_tokens": ">= 256",
+    "grpo.clip_eps": "(0, 1)", "grpo.clip_eps_high": "> 0", "grpo.adv_eps": "> 0", "grpo.kl_beta": ">= 0",
+    "grpo.tis_cap": ">= 1", "grpo.max_resample_rounds": ">= 0", "grpo.lr": "> 0", "grpo.betas": "[0, 1)",
+    "grpo.weight_decay": ">= 0", "grpo.grad_clip": ">= 0", "grpo.epochs": ">= 1", "grpo.num_minibatches": ">= 1",
+    "grpo.microbatch_tokens": ">= 1", "grpo.logprob_chunk": ">= 1", "grpo.rollout_batch_size": ">= 1",
+    "grpo.seed": ">= 0", "grpo.checkpoint_every": ">= 1", "grpo.keep_checkpoints": ">= 1",
+    "grpo.early_stop_patience": ">= 0", "grpo.early_stop_min_delta": ">= 0",
+    "grpo.lora.rank": ">= 1", "grpo.lora.alpha": "> 0", "grpo.lora.dropout": "[0, 1)",
+    "moe.lambda_lb": ">= 0", "moe.top_k": ">= 1", "moe.train_top_k": ">= 1", "moe.gate_init_std": ">= 0",
+    "moe.lr": "> 0", "moe.weight_decay": ">= 0", "moe.max_grad_norm": ">= 0", "moe.steps": ">= 1",
+    "moe.batch_size": ">= 1", "moe.ce_chunk": ">= 1", "moe.trajectories_per_capability": ">= 1",
+    "llm.endpoints.*.timeout_s": "> 0", "llm.endpoints.*.max_retries": ">= 0", "llm.endpoints.*.concurrency": ">= 1",
+    "eval.temperature": ">= 0", "eval.seeds": ">= 0", "eval.max_steps": ">= 1", "eval.context_budget": ">= 256",
+    "launcher.nproc": ">= 1", "launcher.master_port": "[1, 65535]", "launcher.concurrent_runs": ">= 1",
+    "consolidation.budget.episodes": ">= 1", "consolidation.merge.weights": "[-10, 10]",
+    "consolidation.merge.density": "(0, 1]", "consolidation.merge.rank": ">= 1", "consolidation.merge.lam": "> 0",
+    "consolidation.core_tsv.lam": "> 0", "consolidation.core_tsv.density": "(0, 1]",
+    **{f"consolidation.{g}.{k}": v for g in ("sft", "distill") for k, v in {
+        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
+        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
+        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)"}.items()},
+    "consolidation.sft.epochs": ">= 1", "consolidation.sft.batch_size": ">= 1", "consolidation.sft.warmup_ratio": "[0, 1)",
+    "consolidation.distill.iterations": ">= 1", "consolidation.distill.groups": ">= 1",
+    "consolidation.distill.samples_per_task": ">= 1", "consolidation.distill.temperature": "> 0",
+    "consolidation.distill.top_p": "(0, 1]", "consolidation.distill.kl_coef": "> 0",
+    "consolidation.distill.max_new_tokens": ">= 1", "consolidation.distill.max_steps": ">= 1",
+    "consolidation.distill.max_prompt_tokens": ">= 256", "consolidation.distill.num_minibatches": ">= 1",
+    "consolidation.distill.rollout_batch_size": ">= 1",
+    "baselines.grpo_target.episodes": ">= 1", "baselines.grpo_target.train_limit": ">= 1",
+    "baselines.grpo_target.checkpoint_iterations": ">= 1",
+    "baselines.swe_rl.episodes": ">= 1", "baselines.swe_rl.train_limit": ">= 1",
+    "baselines.swe_rl.checkpoint_iterations": ">= 1",
+    **CODING_RANGES,  # benchmark.coding.* (tracekit/coding/config.py)
+    "baselines.gepa.max_metric_calls": ">= 1", "baselines.gepa.reflection_minibatch_size": ">= 1",
+    "baselines.gepa.valset_size": ">= 1", "baselines.gepa.train_limit": ">= 2",
+    "baselines.gepa.reflection_temperature": "[0, 2]", "baselines.gepa.reflection_max_new_tokens": ">= 1",
+    "baselines.untargeted_synthetic.episodes": ">= 1",
+    **{f"baselines.adp_sft.{k}": v for k, v in {
+        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
+        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
+        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)", "epochs": ">= 1", "batch_size": ">= 1",
+        "warmup_ratio": "[0, 1)", "max_records": ">= 1", "max_tokens": ">= 16"}.items()},
+    "seed": ">= 0",
+}
+
+
+def _library_names() -> tuple[str, ...]:
+    return LIBRARY_NAMES
+
+
+def _benchmark_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in (CONF / "benchmark").glob("*.yaml")))
+
+
+def _target_domains() -> tuple[str, ...]:
+    # tau^2's domains (tracekit.envs.tau2.DOMAINS: importing it loads tau2, seconds) and ToolSandbox's scenario sets
+    return (*TAU2_DOMAINS, *TOOLSANDBOX_DOMAINS)
+
+
+def _toolsandbox_variants() -> tuple[str, ...]:
+    return TOOLSANDBOX_VARIANTS
+
+
+def _toolsandbox_train_splits() -> tuple[str, ...]:
+    return tuple(TOOLSANDBOX_TRAIN_SPLITS)
+
+
+def _stage_names() -> tuple[str, ...]:
+    return tuple(build_pipeline().stages)
+
+
+def _method_names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def _strategy_names() -> tuple[str, ...]:
+    return tuple(STRATEGIES)
+
+
+def _scale_names() -> tuple[str, ...]:
+    return ("none", *sorted(p.stem for p in (CONF / "scale").glob("*.yaml")))
+
+
+def _backbone_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in (CONF / "backbone").glob("*.yaml")))
+
+
+def _chat_formats() -> tuple[str, ...]:
+    return CHAT_FORMATS
+
+
+# every string field with a fixed set of values: a tuple, a function giving one (computed when used), or a
+# regular expression; the other strings are names, paths and URLs
+CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
+    "benchmark.kind": ("tau2", "synthetic", "toolsandbox", "coding", "swebench"),  # tracekit.targets (+ issue 20's)
+    "benchmark.domains": _target_domains,  # which go with which kind: the target's validate()
+    "benchmark.train_domains": _toolsandbox_variants,  # ToolSandbox's variants learned from (the target's validate())
+    "benchmark.train_split": _toolsandbox_train_splits,  # ToolSandbox's training split (tracekit/targets/toolsandbox.py)
+    "benchmark.split": ("train", "test", "base"),
+    "benchmark.policy": ("full",),
+    "benchmark.envs": _library_names,
+    **CODING_CHOICES,  # benchmark.coding.modifiers: swesmith's Python modifiers
+    "backbone.source": ("random", "gguf", "hub"),
+    "backbone.chat_format": _chat_formats,
+    "backbone.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "backbone.device": r"auto|cpu|mps|cuda(:\d+)?",
+    "agent.kind": ("llm", "gold"),
+    "agent.tool_choice": ("auto", "required"),
+    "user.kind": ("scripted", "llm"),
+    "thresholds.undefined_er_pos": ("zero", "unselectable"),
+    "analysis.discovery": ("reference", "llm", "pinned"),
+    "analysis.labeler": ("reference", "llm"),
+    "analysis.on_missing": ("skip", "fail"),
+    "synthesis.source": ("library", "generate"),
+    "grpo.old_logprobs": ("rollout", "recompute"),
+    "grpo.checkpoint_policy": ("full", "selective"),
+    "grpo.rollout_fast": ("auto", "on", "off"),
+    "grpo.dtype": ("auto", "float32", "bfloat16"),
+    "grpo.save_rollouts": ("none", "messages", "full"),
+    "grpo.engine": ("hf", "agent", "vllm"),
+    "moe.impl": ("grouped", "grouped_mm", "masked_dense"),
+    "moe.gate_data": ("successes", "all"),
+    "consolidation.method": _strategy_names,
+    "consolidation.merge.majority_sign": ("total", "frequency"),
+    "consolidation.core_tsv.majority_sign": ("total", "frequency"),
+    "consolidation.core_tsv.rank_policy": ("full", "truncate"),
+    "consolidation.sft.data": ("successes", "all"),
+    "consolidation.sft.schedule": ("linear", "constant"),
+    "consolidation.sft.dtype": ("auto", "float32", "bfloat16"),
+    "consolidation.distill.rollout_fast": ("auto", "on", "off"),
+    "consolidation.distill.dtype": ("auto", "float32", "bfloat16"),
+    "consolidation.distill.save_rollouts": ("none", "messages", "full"),
+    "llm.endpoints.*.kind": ("hf", "openai"),
+    "eval.mode": ("greedy", "stochastic"),
+    "eval.benchmark": _benchmark_names,  # a conf/benchmark name (evaluation on another target, Table 8)
+    "scale.name": _scale_names,
+    "scale.backbone": _backbone_names,
+    "eval.methods": _method_names,
+    "logger.kind": ("wandb", "none"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "launcher.kind": KINDS,
+    "launcher.command": ("torchrun", "deepspeed"),
+    "stages": _stage_names,
+    "baselines.gepa.endpoint": r"[A-Za-z_][\w\-]*",  # a key of llm.endpoints (checked in validate())
+    "baselines.gepa.candidate_selection": ("pareto", "current_best", "epsilon_greedy", "top_k_pareto"),
+    "baselines.gepa.module_selector": ("round_robin", "all"),
+    "baselines.untargeted_synthetic.envs_dir": r".+",  # a folder of environment packages (checked in validate())
+    "baselines.adp_sft.data": r"(hf://[\w.\-]+/[\w.\-]+(/[\w.\-/]+)?|[^:]+|[A-Za-z]:.+)",  # paths or hub ids
+    "baselines.adp_sft.schedule": ("linear", "constant"),
+    "baselines.adp_sft.dtype": ("auto", "float32", "bfloat16"),
+    "baselines.adp_sft.lora.target_modules": r"[\w.\-*]+",
+    "baselines.adp_sft.lora.target_parameters": r"[\w.\-*]+",
+}
+
+_BOUND_OPS = {">": operator.gt, ">=": operator.ge}
+
+
+def _in_range(x: float, spec: str) -> bool:
+    if spec[0] in "[(":
+        lo, hi = (float(v) for v in spec[1:-1].split(","))
+        return (lo <= x if spec[0] == "[" else lo < x) and (x <= hi if spec[-1] == "]" else x < hi)
+    op, bound = spec.split()
+    return _BOUND_OPS[op](x, float(bound))
+
+
+def _check_leaf(key: str, pattern: str, value: Any) -> None:
+    for item in value if isinstance(value, ListConfig) else [value]:
+        if item is None:
+            continue
+        if pattern in RANGES:
+            spec = RANGES[pattern]
+            _check(_in_range(item, spec), key, item, spec if spec[0] in "<>" else f"in {spec}")
+        elif isinstance(rule := CHOICES[pattern], str):
+            _check(re.fullmatch(rule, item) is not None, key, item, f"of the form {rule}")
+        else:
+            options = rule() if callable(rule) else rule
+            _check(item in options, key, item, "one of " + ", ".join(options))
+
+
+def _leaves(node: DictConfig, schema: type, key: str = "",
+            pattern: str = "") -> Iterator[tuple[str, str, DictConfig, str]]:
+    """(key, its pattern in RANGES/CHOICES, parent node, name) of every leaf of ``node``; a key the schema lacks
+    (Hydra's ``+key=value`` adds keys even in struct mode) raises ConfigError. ``dict[str, Any]`` fields are
+    open; a ``dict[str, <dataclass>]`` field takes any name, each entry checked against the dataclass."""
+    fields = get_type_hints(schema)
+    for name in node:
+        k, p = f"{key}{name}", f"{pattern}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown key {k} (valid: {', '.join(fields)})")
+        hint = fields[name]
+        if is_dataclass(hint):
+            yield from _leaves(node[name], hint, f"{k}.", f"{p}.")
+        elif get_origin(hint) is dict and is_dataclass(entry := get_args(hint)[1]):
+            for entry_name in node[name]:
+                yield from _leaves(node[name][entry_name], entry, f"{k}.{entry_name}.", f"{p}.*.")
+        else:
+            yield k, p, node, name
+
+
+ENDPOINT_KEYS = ("user.endpoint", "analysis.endpoint", "synthesis.endpoint",
+                 "baselines.gepa.endpoint")  # the keys naming an endpoint
+
+
+def needed_endpoints(cfg: DictConfig, stage: str) -> list[str]:
+    """The names of the ``llm.endpoints`` entries ``stage`` calls when it computes: those its reads name."""
+    prefix = "llm.endpoints."
+    return [r[len(prefix):] for r in build_pipeline().reads(cfg, stage) if r.startswith(prefix)]
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def probe_endpoints(cfg: DictConfig, roles: Iterable[str]) -> None:
+    """Ask each openai endpoint among ``roles`` for ``<base_url>/models`` with a short timeout (hf endpoints run
+    in process: nothing to ask); ConfigError naming the endpoint, its URL and the error on the first that fails."""
+    for role in dict.fromkeys(roles):
+        ep = cfg.llm.endpoints[role]
+        if ep.kind != "openai":
+            continue
+        try:
+            client = OpenAIChatClient(ep.base_url, ep.model, connect_timeout_s=PROBE_TIMEOUT_S,
+                                      **({"api_key_env": ep.api_key_env} if ep.api_key_env else {}))
+            try:
+                client.check()
+            finally:
+                client.close()
+        except EndpointError as e:
+            raise ConfigError(f"llm.endpoints.{role}: {e}") from None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check every key against the schema, every value's range or choices and the cross-field rules; raise
+    ConfigError (one line) on the first problem, a value whose interpolation cannot be resolved included."""
+    try:
+        _validate(cfg)
+    except InterpolationResolutionError as e:
+        raise ConfigError(interpolation_message(e, cfg)) from None
+
+
+def _validate(cfg: DictConfig) -> None:
+    if "seed" not in cfg:  # Hydra's ~seed deletes it; every stage derives its seeds from it
+        raise ConfigError("seed is not in the config (an override like ~seed removes it): every stage derives its "
+                          "seeds from it; drop the override, or give it a value: seed=<int>")
+    for key, pattern, node, name in _leaves(cfg, Config):
+        if not key.startswith("paths.") and not OmegaConf.is_missing(node, name):
+            node[name]  # resolved: a broken ${...} is named here (paths resolve only in Hydra's app)
+        if pattern in RANGES or pattern in CHOICES:
+            _check_leaf(key, pattern, node[name])
+    if "rollout" in cfg:
+        _check(valid_env_workers(cfg.rollout.env_workers), "rollout.env_workers", cfg.rollout.env_workers,
+               "auto, 0 (in-process) or a positive integer (worker processes)")
+    t = cfg.thresholds
+    _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
+    if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line
+        try:
+            PlantedSpec.from_config(cfg.backbone.planted)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from None
+    for key in ("tool_choice", "copy_ids"):
+        if cfg.agent[key] not in ("auto", False):
+            _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,
+                   f"true when agent.{key}={cfg.agent[key]} (both are grammar constraints)")
+    _check(cfg.user.kind != "scripted" or cfg.user.max_turns is not None, "user.max_turns", None,
+           ">= 1 with user.kind=scripted (the scripted user needs a last turn)")
+    a = cfg.analysis
+    _check(a.min_capabilities <= a.max_capabilities, "analysis.min_capabilities", a.min_capabilities,
+           f"<= analysis.max_capabilities={a.max_capabilities}")
+    if a.discovery == "pinned":
+        read_pinned_dictionary(cfg)
+    sy = cfg.synthesis
+    _check(sy.target_low <= sy.target_high, "synthesis.target_low", sy.target_low,
+           f"<= synthesis.target_high={sy.target_high}")
+    for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings), ("thresholds", Thresholds),
+                          ("consolidation.sft", SFTSettings), ("consolidation.distill", DistillSettings)):
+        values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
+        try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
+            schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
+           cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
+    if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
+        _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
+               "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")
+    if cfg.launcher.kind == "deepspeed_zero3" and cfg.launcher.nproc > 1:  # as tracekit.rl.launch.check_supported
+        _check(cfg.grpo.engine != "hf", "grpo.engine", "hf",
+               "agent or vllm with launcher=deepspeed_zero3 and nproc > 1 (hf rollouts are not rank-synchronized)")
+    target_of(cfg).validate(cfg)  # the target's own checks (tracekit/targets/<kind>.py: domains, environments, ...)
+    if eval_benchmark(cfg) is not None:  # evaluation on another target (Table 8): that target's checks too
+        target_of(evaluation_config(cfg)).validate(evaluation_config(cfg))
+    _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
+    _check(len(cfg.eval.methods) >= 1, "eval.methods", list(cfg.eval.methods),
+           "a non-empty list (the rows of the results table: " + ", ".join(_method_names()) + ")")
+    validate_methods(cfg)  # each method's own checks (a target without a training split, missing data, ...)
+    for name, ep in cfg.llm.endpoints.items():
+        if ep.kind == "openai":
+            _check(bool(ep.base_url) and ep.base_url.startswith(("http://", "https://")),
+                   f"llm.endpoints.{name}.base_url", ep.base_url, "an http(s) URL with kind=openai")
+            _check(bool(ep.model), f"llm.endpoints.{name}.model", ep.model, "set with kind=openai")
+    for role in dict.fromkeys(r for stage in _stage_names() for r in needed_endpoints(cfg, stage)):
+        if role not in cfg.llm.endpoints:
+            key = next(k for k in ENDPOINT_KEYS if OmegaConf.select(cfg, k) == role)
+            _check(False, key, role, "a key of llm.endpoints (" + ", ".join(cfg.llm.endpoints) + ")")
