@@ -355,8 +355,18 @@ def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
         agents["moe"] = (build_agent(cfg, moe=str(random_moe(cfg, tmp / "moe", args.moe_adapters))), arms["batched"])
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in agents}
     order = list(agents)
-    for policy, _ in {id(a): (a, b) for a, b in agents.values()}.values():
-        warm_up(cfg, suite, policy)
+    warmup_s = {}
+    if args.warmup == "rollout":  # every arm's whole rollout once, untimed: the batch sizes it meets as episodes
+        # end are the timed repeats' (the same episodes), so every CUDA graph and compiled shape is built here
+        for arm in order:
+            policy, settings = agents[arm]
+            warmup_s[arm] = round(rollout_once(cfg, suite, policy, settings, tmp / f"{name}-{arm}-warm")["seconds"], 2)
+            policy.clear_prefix_cache()
+        print(f"  {name} warm-up rollouts (untimed): " + ", ".join(f"{a} {s:.1f} s" for a, s in warmup_s.items()),
+              flush=True)
+    else:  # one turn per policy: the per-process costs only (quick, but shapes met later are compiled in repeat 0)
+        for policy, _ in {id(a): (a, b) for a, b in agents.values()}.values():
+            warm_up(cfg, suite, policy)
     for i in range(args.repeats):
         for arm in (order if i % 2 == 0 else order[::-1]):
             policy, settings = agents[arm]
@@ -366,7 +376,7 @@ def run_target(name: str, args, tmp: Path) -> dict[str, Any]:
                   flush=True)
     lora, moe = runs.pop("lora", None), runs.pop("moe", None)
     result = {"overrides": overrides, "batch_size": cfg.agent.batch_size, "max_steps": cfg.eval.max_steps,
-              "max_new_tokens": cfg.agent.max_new_tokens,
+              "max_new_tokens": cfg.agent.max_new_tokens, "warmup": args.warmup, "warmup_seconds": warmup_s,
               **summarize(runs, {arm: 0.0 if exact_arm(arms[arm]["batched_host_step"], arms[arm]["pick_on_device"], cuda)
                                 else LOGPROB_TOL for arm in runs})}
     if lora:
@@ -679,6 +689,8 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides applied to every target's config")
     ap.add_argument("--targets", nargs="*", default=["tau2_mini", "gain"], help="rollout targets (none: only the other sections)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", choices=("rollout", "turn"), default="rollout",
+                    help="before the timed repeats: each arm's whole rollout once (every shape compiled), or one turn")
     ap.add_argument("--gain-limit", type=int, default=1, help="gain: tasks per environment")
     ap.add_argument("--host-rows", type=int, default=256, help="rows of the model-free host section (0: skip)")
     ap.add_argument("--host-threads", type=int, default=2, help="host section: also this many pick threads")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -366,3 +367,21 @@ def test_benchmark_moe_arm_decodes_on_the_fast_path_and_ratios(make_cfg, tmp_pat
     r = rt.ratio(runs, base)
     assert r["per_repeat"] == [1.5, 1.0] and r["median"] == 1.25 and (r["min"], r["max"]) == (1.0, 1.5)
     assert (r["per_token_min"], r["per_token_max"]) == (1.0, 2.0)
+
+
+def test_benchmark_warms_every_arm_with_an_untimed_rollout(tmp_path):
+    """``--warmup rollout``: each arm rolls out once, untimed, before the timed repeats (every batch size the
+    repeats meet is compiled there); the repeats then decode exactly what the warm-up decoded."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import rollout_throughput as rt
+
+    args = SimpleNamespace(limit={"tau2_mini": 1}, overrides=["backbone=tiny", "eval.max_steps=2"], repeats=1,
+                           warmup="rollout", lora=False, moe=False, lora_target="tau2_mini", moe_adapters=2)
+    r = rt.run_target("tau2_mini", args, tmp_path)
+    arms = set(r["arms"])
+    assert r["warmup"] == "rollout" and set(r["warmup_seconds"]) == arms and len(arms) >= 2
+    assert all(s > 0 for s in r["warmup_seconds"].values())
+    for arm in arms:  # the warm-up's episodes are the timed repeat's, token for token
+        warm = rt.episodes_of(tmp_path / f"tau2_mini-{arm}-warm")
+        timed = rt.episodes_of(tmp_path / f"tau2_mini-{arm}0")
+        assert warm.keys() == timed.keys() and [w[2] for w in warm.values()] == [t[2] for t in timed.values()]
