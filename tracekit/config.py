@@ -10,7 +10,7 @@ method's own) are :func:`tracekit.validate.validate`. Open groups are the schema
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,7 @@ class GrpoConfig(GRPOSettings):
     vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.vllm_client.VLLMSettings fields
 
     def settings(self) -> GRPOSettings:
-        return GRPOSettings(**{k: getattr(self, k) for k in GRPOSettings.__dataclass_fields__})
+        return GRPOSettings(**{f.name: getattr(self, f.name) for f in fields(GRPOSettings)})  # RANGES is no field
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -315,7 +315,7 @@ def _validate(cfg: DictConfig) -> None:
                           ("consolidation.sft", SFTSettings), ("consolidation.distill", DistillSettings)):
         values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
         try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
-            schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
+            schema(**{k: v for k, v in values.items() if k in {f.name for f in fields(schema)}})
         except ValueError as e:
             raise ConfigError(str(e)) from None
     _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
