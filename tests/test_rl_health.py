@@ -128,7 +128,7 @@ def test_kl_ref_is_measured_with_kl_beta_without_health_kl_ref(tok, tmp_path):
 
 
 def test_grad_norm_is_the_norm_before_clipping(tok, tmp_path):
-    m = _trainer(tok, tmp_path, _Suite(4, 0), grad_clip=1e-4).iteration(0)
+    m = _trainer(tok, tmp_path, _Suite(4, 0), max_grad_norm=1e-4).iteration(0)
     assert m["optimizer_steps"] == 2 and m["grad_norm"] > 1e-3  # a clipped norm would read <= 1e-4
 
 

@@ -35,7 +35,7 @@ def _spec(out, **kw) -> TrainSpec:
 
 
 def test_deepspeed_config_and_commands(tmp_path):
-    s = GRPOSettings(lr=3e-5, grad_clip=0.5)
+    s = GRPOSettings(lr=3e-5, max_grad_norm=0.5)
     c2 = deepspeed_config(2, s, bf16=False)
     assert c2["zero_optimization"]["stage"] == 2
     assert c2["optimizer"] == {
@@ -44,7 +44,7 @@ def test_deepspeed_config_and_commands(tmp_path):
     }
     assert c2["gradient_clipping"] == 0.5 and c2["bf16"] == {"enabled": False}
     assert c2["gradient_accumulation_steps"] == 1
-    c3 = deepspeed_config(3, GRPOSettings(grad_clip=0.0), bf16=True)
+    c3 = deepspeed_config(3, GRPOSettings(max_grad_norm=0.0), bf16=True)
     assert c3["zero_optimization"]["stage"] == 3 and "gradient_clipping" not in c3 and c3["bf16"]["enabled"]
     cmd = launch_command(tmp_path / "spec.json", LauncherSettings(kind="deepspeed_zero2", nproc=2, master_port=29511))
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes=1"]

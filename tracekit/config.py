@@ -10,7 +10,7 @@ method's own) are :func:`tracekit.validate.validate`. Open groups are the schema
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from omegaconf.errors import InterpolationResolutionError
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
+from tracekit.moe.gate import GateTrainConfig
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
@@ -164,25 +165,19 @@ class GrpoConfig(GRPOSettings):
     vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.vllm_client.VLLMSettings fields
 
     def settings(self) -> GRPOSettings:
-        return GRPOSettings(**{k: getattr(self, k) for k in GRPOSettings.__dataclass_fields__})
+        return GRPOSettings(**{f.name: getattr(self, f.name) for f in fields(GRPOSettings)})  # RANGES is no field
 
 
 @dataclass
-class MoeConfig:
-    lambda_lb: float = 0.05
+class MoeConfig(GateTrainConfig):
+    """The gate's training knobs (:class:`tracekit.moe.gate.GateTrainConfig`) plus the routing and the gate's data."""
+
     top_k: int = 1  # inference routing
     train_top_k: int | None = None  # None: dense softmax mixture while training (the paper's formula)
     base_slot: bool = False  # an extra "no adapter" expert (as in the official code)
     renormalize: bool = False  # top-k weights: raw softmax probabilities (official code) or renormalized
     impl: str = "grouped"  # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) | grouped_mm | masked_dense
     gate_init_std: float = 0.0  # 0: uniform routing at the start
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    steps: int = 200
-    batch_size: int = 4
-    ce_chunk: int = 1024  # vocab-projection chunk for the CE (never the full [tokens x vocab] logits)
-    gradient_checkpointing: bool = False
     gate_data: str = "successes"  # GRPO rollouts the gate trains on: successes (paper) | all
     trajectories_per_capability: int = 32
 

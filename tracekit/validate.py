@@ -10,10 +10,9 @@ strategies, targets, stages, library environments): this module reads them; the 
 
 from __future__ import annotations
 
-import operator
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -25,20 +24,24 @@ from tracekit.coding.config import CHOICES as CODING_CHOICES
 from tracekit.coding.config import RANGES as CODING_RANGES
 from tracekit.config import (Config, ConfigError, _check, eval_benchmark, evaluation_config, interpolation_message,
                              read_pinned_dictionary)
-from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX_DOMAINS
 from tracekit.envs.pool import valid_setting as valid_env_workers
+from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX_DOMAINS
 from tracekit.envs.toolsandbox import VARIANTS as TOOLSANDBOX_VARIANTS
 from tracekit.llm.base import EndpointError
+from tracekit.llm.decoding import PREFIX_CACHE_MIB
 from tracekit.llm.openai import OpenAIChatClient
 from tracekit.llm.tools import CHAT_FORMATS
 from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
+from tracekit.moe.gate import GateTrainConfig
 from tracekit.planted.warmstart import PlantedSpec
+from tracekit.ranges import in_range, what_it_must_be
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
 from tracekit.stages import build_pipeline
 from tracekit.synthesis.library import LIBRARY_NAMES
+from tracekit.targets import kinds as target_kinds
 from tracekit.targets import target_of
 from tracekit.targets.tau2 import TAU2_DOMAINS
 from tracekit.targets.toolsandbox import TRAIN_SPLITS as TOOLSANDBOX_TRAIN_SPLITS
@@ -46,12 +49,17 @@ from tracekit.targets.toolsandbox import TRAIN_SPLITS as TOOLSANDBOX_TRAIN_SPLIT
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
+def _group_ranges(group: str, settings: type) -> dict[str, str]:
+    """A config group's ranges from the settings class it is built on (its ``RANGES``, checked there too)."""
+    return {f"{group}.{k}": v for k, v in settings.RANGES.items()}
+
+
 # every numeric field's valid range ("[a, b]", "(a, b]", "> a", ">= a"; null passes where the field is
 # optional; a list field: each element)
 RANGES: dict[str, str] = {
     "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
     "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
-    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": ">= 0",
+    "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": PREFIX_CACHE_MIB,
     "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
     "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
     "analysis.temperature": "[0, 2]", "analysis.capabilities_per_call": ">= 0", "analysis.max_retries": ">= 0",
@@ -62,35 +70,17 @@ RANGES: dict[str, str] = {
     "synthesis.calibration_seeds": ">= 1", "synthesis.calibration_k": ">= 2", "synthesis.target_low": "[0, 1]",
     "synthesis.target_high": "[0, 1]", "synthesis.min_informative": "[0, 1]", "synthesis.difficulty": ">= 0",
     "synthesis.cpu_seconds": ">= 1", "synthesis.wall_seconds": ">= 1", "synthesis.memory_mb": ">= 256",
-    "grpo.iterations": ">= 1", "grpo.groups": ">= 1", "grpo.group_size": ">= 2", "grpo.temperature": "> 0",
-    "grpo.top_p": "(0, 1]", "grpo.max_new_tokens": ">= 1", "grpo.max_steps": ">= 1", "grpo.max_prompt_tokens": ">= 256",
-    "grpo.clip_eps": "(0, 1)", "grpo.clip_eps_high": "> 0", "grpo.adv_eps": "> 0", "grpo.kl_beta": ">= 0",
-    "grpo.tis_cap": ">= 1", "grpo.max_resample_rounds": ">= 0", "grpo.lr": "> 0", "grpo.betas": "[0, 1)",
-    "grpo.weight_decay": ">= 0", "grpo.grad_clip": ">= 0", "grpo.epochs": ">= 1", "grpo.num_minibatches": ">= 1",
-    "grpo.microbatch_tokens": ">= 1", "grpo.logprob_chunk": ">= 1", "grpo.rollout_batch_size": ">= 1",
-    "grpo.seed": ">= 0", "grpo.checkpoint_every": ">= 1", "grpo.keep_checkpoints": ">= 1",
-    "grpo.early_stop_patience": ">= 0", "grpo.early_stop_min_delta": ">= 0",
-    "grpo.lora.rank": ">= 1", "grpo.lora.alpha": "> 0", "grpo.lora.dropout": "[0, 1)",
-    "moe.lambda_lb": ">= 0", "moe.top_k": ">= 1", "moe.train_top_k": ">= 1", "moe.gate_init_std": ">= 0",
-    "moe.lr": "> 0", "moe.weight_decay": ">= 0", "moe.max_grad_norm": ">= 0", "moe.steps": ">= 1",
-    "moe.batch_size": ">= 1", "moe.ce_chunk": ">= 1", "moe.trajectories_per_capability": ">= 1",
+    **_group_ranges("grpo", GRPOSettings),  # the recipes' own ranges (one check per knob)
+    **_group_ranges("moe", GateTrainConfig),
+    "moe.top_k": ">= 1", "moe.train_top_k": ">= 1", "moe.gate_init_std": ">= 0",
+    "moe.trajectories_per_capability": ">= 1",
     "llm.endpoints.*.timeout_s": "> 0", "llm.endpoints.*.max_retries": ">= 0", "llm.endpoints.*.concurrency": ">= 1",
     "eval.temperature": ">= 0", "eval.seeds": ">= 0", "eval.max_steps": ">= 1", "eval.context_budget": ">= 256",
     "launcher.nproc": ">= 1", "launcher.master_port": "[1, 65535]", "launcher.concurrent_runs": ">= 1",
     "consolidation.budget.episodes": ">= 1", "consolidation.merge.weights": "[-10, 10]",
     "consolidation.merge.density": "(0, 1]", "consolidation.merge.rank": ">= 1", "consolidation.merge.lam": "> 0",
     "consolidation.core_tsv.lam": "> 0", "consolidation.core_tsv.density": "(0, 1]",
-    **{f"consolidation.{g}.{k}": v for g in ("sft", "distill") for k, v in {
-        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
-        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
-        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)"}.items()},
-    "consolidation.sft.epochs": ">= 1", "consolidation.sft.batch_size": ">= 1", "consolidation.sft.warmup_ratio": "[0, 1)",
-    "consolidation.distill.iterations": ">= 1", "consolidation.distill.groups": ">= 1",
-    "consolidation.distill.samples_per_task": ">= 1", "consolidation.distill.temperature": "> 0",
-    "consolidation.distill.top_p": "(0, 1]", "consolidation.distill.kl_coef": "> 0",
-    "consolidation.distill.max_new_tokens": ">= 1", "consolidation.distill.max_steps": ">= 1",
-    "consolidation.distill.max_prompt_tokens": ">= 256", "consolidation.distill.num_minibatches": ">= 1",
-    "consolidation.distill.rollout_batch_size": ">= 1",
+    **_group_ranges("consolidation.sft", SFTSettings), **_group_ranges("consolidation.distill", DistillSettings),
     "baselines.grpo_target.episodes": ">= 1", "baselines.grpo_target.train_limit": ">= 1",
     "baselines.grpo_target.checkpoint_iterations": ">= 1",
     "baselines.swe_rl.episodes": ">= 1", "baselines.swe_rl.train_limit": ">= 1",
@@ -100,11 +90,8 @@ RANGES: dict[str, str] = {
     "baselines.gepa.valset_size": ">= 1", "baselines.gepa.train_limit": ">= 2",
     "baselines.gepa.reflection_temperature": "[0, 2]", "baselines.gepa.reflection_max_new_tokens": ">= 1",
     "baselines.untargeted_synthetic.episodes": ">= 1",
-    **{f"baselines.adp_sft.{k}": v for k, v in {
-        "lr": "> 0", "max_grad_norm": ">= 0", "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1",
-        "logprob_chunk": ">= 1", "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1",
-        "lora.rank": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)", "epochs": ">= 1", "batch_size": ">= 1",
-        "warmup_ratio": "[0, 1)", "max_records": ">= 1", "max_tokens": ">= 16"}.items()},
+    **_group_ranges("baselines.adp_sft", SFTSettings),
+    "baselines.adp_sft.max_records": ">= 1", "baselines.adp_sft.max_tokens": ">= 16",
     "seed": ">= 0",
 }
 
@@ -157,7 +144,7 @@ def _chat_formats() -> tuple[str, ...]:
 # every string field with a fixed set of values: a tuple, a function giving one (computed when used), or a
 # regular expression; the other strings are names, paths and URLs
 CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
-    "benchmark.kind": ("tau2", "synthetic", "toolsandbox", "coding", "swebench"),  # tracekit.targets (+ issue 20's)
+    "benchmark.kind": target_kinds,  # the targets registry (tracekit.targets)
     "benchmark.domains": _target_domains,  # which go with which kind: the target's validate()
     "benchmark.train_domains": _toolsandbox_variants,  # ToolSandbox's variants learned from (the target's validate())
     "benchmark.train_split": _toolsandbox_train_splits,  # ToolSandbox's training split (tracekit/targets/toolsandbox.py)
@@ -217,24 +204,13 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "baselines.adp_sft.lora.target_parameters": r"[\w.\-*]+",
 }
 
-_BOUND_OPS = {">": operator.gt, ">=": operator.ge}
-
-
-def _in_range(x: float, spec: str) -> bool:
-    if spec[0] in "[(":
-        lo, hi = (float(v) for v in spec[1:-1].split(","))
-        return (lo <= x if spec[0] == "[" else lo < x) and (x <= hi if spec[-1] == "]" else x < hi)
-    op, bound = spec.split()
-    return _BOUND_OPS[op](x, float(bound))
-
-
 def _check_leaf(key: str, pattern: str, value: Any) -> None:
     for item in value if isinstance(value, ListConfig) else [value]:
         if item is None:
             continue
         if pattern in RANGES:
             spec = RANGES[pattern]
-            _check(_in_range(item, spec), key, item, spec if spec[0] in "<>" else f"in {spec}")
+            _check(in_range(item, spec), key, item, what_it_must_be(spec))
         elif isinstance(rule := CHOICES[pattern], str):
             _check(re.fullmatch(rule, item) is not None, key, item, f"of the form {rule}")
         else:
@@ -339,7 +315,7 @@ def _validate(cfg: DictConfig) -> None:
                           ("consolidation.sft", SFTSettings), ("consolidation.distill", DistillSettings)):
         values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
         try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
-            schema(**{k: v for k, v in values.items() if k in schema.__dataclass_fields__})
+            schema(**{k: v for k, v in values.items() if k in {f.name for f in fields(schema)}})
         except ValueError as e:
             raise ConfigError(str(e)) from None
     _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",

@@ -43,10 +43,12 @@ from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason
 from tracekit.llm.prefix_cache import PrefixStore, batch_shared_prefixes
 from tracekit.moe.layer import LoRAMoELinear, adapter_weights, gate_probs
 from tracekit.moe.model import LoRAMoEModel
+from tracekit.ranges import check_value
 
 log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+PREFIX_CACHE_MIB = ">= 0"  # the prefix store's size rule (the client, the decoder and validate check this one)
 
 
 @dataclass
@@ -547,8 +549,7 @@ class FastDecoder:
         moe: str = "auto",
         prefix_cache_mib: float = 0,
     ):
-        if prefix_cache_mib < 0:
-            raise ValueError(f"prefix_cache_mib must be >= 0, got {prefix_cache_mib}")
+        check_value("prefix_cache_mib", prefix_cache_mib, PREFIX_CACHE_MIB)
         if moe not in ("auto", "fused", "module"):
             raise ValueError(f"moe must be auto, fused or module, got {moe!r}")
         if attention not in ("sdpa", "bmm"):

@@ -30,7 +30,7 @@ from tracekit.artifacts import Artifact, read_json
 from tracekit.config import ConfigError
 from tracekit.methods.consolidate import adapters_budget
 from tracekit.runs import TRAIN_SEED_OFFSET, adapters_of
-from tracekit.targets import target, target_of
+from tracekit.targets import target, target_of, train_fields
 from tracekit.wiring import client_for
 
 CAPABILITIES_HEADER = ("Capabilities that tasks in this environment require. Exercise each one whenever a task "
@@ -63,8 +63,8 @@ def train_suite_spec(cfg: DictConfig, n_per_env: int | None = None, limit: int |
     endpoint, and the target's size knob (``Target.train_spec``: ``limit``, first n training tasks per domain;
     ``n_per_env`` for synthetic targets, instances per environment)."""
     bench = {k: v for k, v in _plain(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
-    for key in ("train_domains", "train_split", "train_seed"):  # ToolSandbox keys: absent elsewhere, so other
-        if bench.get(key) in (None, []):  # targets' identities stay (ToolSandbox's own train_spec sets its split)
+    for key in train_fields():  # left unset, a target's split fields stay out of the identity (Target.train_fields)
+        if bench.get(key) in (None, []):
             bench.pop(key, None)
     spec: dict[str, Any] = {"benchmark": bench, "user": _plain(cfg.user)}
     if cfg.user.kind == "llm":

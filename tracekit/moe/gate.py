@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
@@ -29,6 +29,7 @@ from tracekit.artifacts import atomic_write_text
 from tracekit.moe.layer import RoutingSpec
 from tracekit.moe.model import LoRAMoEModel
 from tracekit.ops import token_logprobs
+from tracekit.ranges import check_ranges
 from tracekit.types import TokenRecord
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def mix_uniformly(
 
 @dataclass
 class GateTrainConfig:
-    """Gate training hyperparameters (lambda_lb from the paper; lr as the official router SFT).
+    """Gate training hyperparameters (lambda_lb from the paper; lr as the official router SFT); the ``moe`` config
+    group extends this class (:class:`tracekit.config.MoeConfig`), so each knob has one name, default and check.
 
     gradient_checkpointing: recompute decoder layers in backward (HF checkpoints only modules in
     train mode, so the backbone is put in train mode: refused if it has any dropout > 0).
@@ -95,13 +97,18 @@ class GateTrainConfig:
     lambda_lb: float = 0.05
     lr: float = 5e-4
     weight_decay: float = 0.0
-    steps: int = 100
-    batch_size: int = 8
     max_grad_norm: float = 1.0
-    ce_chunk: int = 1024
-    pad_id: int = 0
-    seed: int = 0
+    steps: int = 200
+    batch_size: int = 4
+    ce_chunk: int = 1024  # vocab-projection chunk for the CE (never the full [tokens x vocab] logits)
     gradient_checkpointing: bool = False
+
+    RANGES: ClassVar[dict[str, str]] = {"lambda_lb": ">= 0", "lr": "> 0", "weight_decay": ">= 0",
+                                        "max_grad_norm": ">= 0", "steps": ">= 1", "batch_size": ">= 1",
+                                        "ce_chunk": ">= 1"}
+
+    def __post_init__(self) -> None:
+        check_ranges("moe", self, self.RANGES)
 
 
 # --------------------------------------------------------------------------- pure losses
@@ -189,9 +196,11 @@ def _batches(n: int, batch_size: int, steps: int, seed: int) -> Iterable[list[in
 
 
 def train_gates(
-    model: LoRAMoEModel, examples: Iterable[GateExample | TokenRecord | Mapping[str, Any]], cfg: GateTrainConfig
+    model: LoRAMoEModel, examples: Iterable[GateExample | TokenRecord | Mapping[str, Any]], cfg: GateTrainConfig,
+    seed: int = 0, pad_id: int = 0,
 ) -> list[dict[str, float]]:
-    """Optimize only the gates on L = CE + lambda_LB * LB; returns one log row per step.
+    """Optimize only the gates on L = CE + lambda_LB * LB; returns one log row per step (batches drawn by
+    ``seed``, padded with ``pad_id``).
 
     Routing during training is ``model.training_spec`` (the paper's mixture over all experts unless
     ``train_top_k`` is set). Row keys: step, loss, ce, lb, tokens, lb/L<b>, usage/L<b>/<slot>,
@@ -214,9 +223,9 @@ def train_gates(
         lm.eval()  # no dropout in the frozen backbone
     rows = []
     with model.routing(model.training_spec):
-        batches = _batches(len(data), min(cfg.batch_size, len(data)), cfg.steps, cfg.seed)
+        batches = _batches(len(data), min(cfg.batch_size, len(data)), cfg.steps, seed)
         for step, idx in enumerate(tqdm(batches, total=cfg.steps, desc="gate", leave=False)):
-            batch = collate([data[i] for i in idx], cfg.pad_id)
+            batch = collate([data[i] for i in idx], pad_id)
             ce, n = response_ce(model, batch, cfg.ce_chunk)
             lb, stats = routing_loss(model, batch["attention_mask"])
             loss = ce + cfg.lambda_lb * lb

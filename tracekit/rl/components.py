@@ -62,13 +62,13 @@ def seed_everything(seed: int, rank: int = 0) -> None:
 class LocalBackend:
     """AdamW on the adapter's parameters in this process (torch's fused multi-tensor kernel when they are all
     on CUDA: a few launches instead of a dozen per tensor group, the optimizer's host time off the step).
-    ``s`` has ``lr``, ``betas``, ``weight_decay`` and ``grad_clip`` (``GRPOSettings``, or :func:`adamw_backend`'s)."""
+    ``s`` has ``lr``, ``betas``, ``weight_decay`` and ``max_grad_norm`` (the GRPO, SFT and distillation settings)."""
 
     loss_scale = 1.0
 
     def __init__(self, model: torch.nn.Module, s: Any):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grad_clip = s.grad_clip
+        self.max_grad_norm = s.max_grad_norm
         fused = bool(self.params) and all(p.is_cuda for p in self.params)
         self.opt = torch.optim.AdamW(self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, fused=fused or None)
 
@@ -76,7 +76,7 @@ class LocalBackend:
         loss.backward()
 
     def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(norm)
@@ -86,15 +86,6 @@ class LocalBackend:
 
     def load(self, d: Path, rank: int) -> None:
         self.opt.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
-
-
-def adamw_backend(
-    model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float, max_grad_norm: float
-) -> LocalBackend:
-    """A :class:`LocalBackend` from plain values (the SFT and distillation settings name the clip ``max_grad_norm``)."""
-    from types import SimpleNamespace
-
-    return LocalBackend(model, SimpleNamespace(lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=max_grad_norm))
 
 
 def rng_state() -> dict[str, Any]:

@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -63,12 +63,13 @@ import torch
 from tracekit.artifacts import write_jsonl
 from tracekit.envs.base import EnvSuite
 from tracekit.llm.decoding import causal_lm_of
-from tracekit.rl.components import (MetricsCSV, adamw_backend, check_settings, load_checkpoint, place_model,
+from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, load_checkpoint, place_model,
                                     save_checkpoint, save_peft_adapter, seed_everything)
 from tracekit.rl.engines import HFEngine
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
 from tracekit.rl.fused import set_fused_update_kernels
-from tracekit.rl.settings import LoraSettings
+from tracekit.ranges import check_ranges
+from tracekit.rl.settings import LoraSettings, lora_ranges
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
 from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import Trajectory, stable_hash
@@ -109,32 +110,24 @@ class DistillSettings:
     save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
     lora: LoraSettings = field(default_factory=LoraSettings)  # r 32 / alpha 64
 
+    # checked here and by tracekit.validate for the consolidation.distill group (one check per knob)
+    RANGES: ClassVar[dict[str, str]] = {
+        "lr": "> 0", "iterations": ">= 1", "groups": ">= 1", "samples_per_task": ">= 1", "temperature": "> 0",
+        "top_p": "(0, 1]", "kl_coef": "> 0", "max_new_tokens": ">= 1", "max_steps": ">= 1",
+        "max_prompt_tokens": ">= 256", "num_minibatches": ">= 1", "betas": "[0, 1)", "weight_decay": ">= 0",
+        "max_grad_norm": ">= 0", "microbatch_tokens": ">= 1", "logprob_chunk": ">= 1", "rollout_batch_size": ">= 1",
+        "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1", **lora_ranges()}  # fmt: skip
+
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        check_ranges("distill", self, self.RANGES)
         check_settings("distill", self, [
-            (self.lr > 0, "lr", "> 0"),
-            (self.iterations >= 1, "iterations", ">= 1"),
-            (self.groups >= 1, "groups", ">= 1"),
-            (self.samples_per_task >= 1, "samples_per_task", ">= 1"),
-            (self.temperature > 0, "temperature", "> 0"),
-            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
-            (self.kl_coef > 0, "kl_coef", "> 0"),
-            (self.max_new_tokens >= 1, "max_new_tokens", ">= 1"),
-            (self.max_steps >= 1, "max_steps", ">= 1"),
-            (self.num_minibatches >= 1, "num_minibatches", ">= 1"),
-            (self.weight_decay >= 0, "weight_decay", ">= 0"),
-            (self.max_grad_norm >= 0, "max_grad_norm", ">= 0"),
-            (self.microbatch_tokens >= 1, "microbatch_tokens", ">= 1"),
-            (self.logprob_chunk >= 1, "logprob_chunk", ">= 1"),
             (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
-            (self.checkpoint_every >= 1, "checkpoint_every", ">= 1"),
-            (self.keep_checkpoints >= 1, "keep_checkpoints", ">= 1"),
             (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
-            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
-        ])  # fmt: skip
+        ])
 
 
 DISTILL_METRIC_COLUMNS = [
@@ -319,7 +312,7 @@ def train_distill(
     set_fused_update_kernels(causal_lm_of(model), s.fused_update_kernels)  # after the teachers: their layers too
     if s.gradient_checkpointing:
         set_activation_checkpointing(causal_lm_of(model), True)
-    backend = adamw_backend(model, s.lr, s.betas, s.weight_decay, s.max_grad_norm)  # the student's parameters only
+    backend = LocalBackend(model, s)  # the student's parameters only
     factory = engine_factory or hf_engine_factory(chat_format, s.max_prompt_tokens, s.rollout_batch_size, s.rollout_fast)
     engine = factory(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

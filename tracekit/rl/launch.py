@@ -110,8 +110,8 @@ def deepspeed_config(stage: int, s: GRPOSettings, bf16: bool) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if s.grad_clip > 0:
-        cfg["gradient_clipping"] = s.grad_clip
+    if s.max_grad_norm > 0:
+        cfg["gradient_clipping"] = s.max_grad_norm
     return cfg
 
 

@@ -4,6 +4,9 @@ the ``grpo`` and ``launcher`` config groups (see :mod:`tracekit.config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from tracekit.ranges import check_ranges
 
 KINDS = ("local", "deepspeed_zero2", "deepspeed_zero3")
 
@@ -19,6 +22,13 @@ class LoraSettings:
     # nn.Parameters to adapt (peft ``target_parameters``): MoE experts fused into 3-D tensors, e.g.
     # Qwen3-MoE in transformers 5: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     target_parameters: list[str] = field(default_factory=list)
+
+    RANGES: ClassVar[dict[str, str]] = {"rank": ">= 1", "alpha": "> 0", "dropout": "[0, 1)"}
+
+
+def lora_ranges() -> dict[str, str]:
+    """A recipe's ``lora.*`` ranges (its ``lora`` field is a :class:`LoraSettings`)."""
+    return {f"lora.{k}": v for k, v in LoraSettings.RANGES.items()}
 
 
 @dataclass
@@ -45,7 +55,7 @@ class GRPOSettings:
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    max_grad_norm: float = 1.0  # max global grad norm; 0 = no clipping
     epochs: int = 1  # passes over each rollout batch
     num_minibatches: int = 4  # optimizer steps per epoch
     microbatch_tokens: int = 8192  # padded tokens per forward/backward (length bucketing)
@@ -87,45 +97,37 @@ class GRPOSettings:
     early_stop_min_delta: float = 0.0
     lora: LoraSettings = field(default_factory=LoraSettings)
 
+    # the value ranges, checked here and by tracekit.validate for the grpo group (one check per knob)
+    RANGES: ClassVar[dict[str, str]] = {
+        "iterations": ">= 1", "groups": ">= 1", "group_size": ">= 2", "temperature": "> 0", "top_p": "(0, 1]",
+        "max_new_tokens": ">= 1", "max_steps": ">= 1", "max_prompt_tokens": ">= 256", "clip_eps": "(0, 1)",
+        "clip_eps_high": "> 0", "adv_eps": "> 0", "kl_beta": ">= 0", "tis_cap": ">= 1", "max_resample_rounds": ">= 0",
+        "lr": "> 0", "betas": "[0, 1)", "weight_decay": ">= 0", "max_grad_norm": ">= 0", "epochs": ">= 1",
+        "num_minibatches": ">= 1", "microbatch_tokens": ">= 1", "logprob_chunk": ">= 1", "rollout_batch_size": ">= 1",
+        "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1", "early_stop_patience": ">= 0",
+        "early_stop_min_delta": ">= 0", **lora_ranges()}  # fmt: skip
+
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        check_ranges("grpo", self, self.RANGES)
         checks = [
-            (self.group_size >= 2, "group_size", ">= 2"),
-            (self.groups >= 1, "groups", ">= 1"),
-            (self.iterations >= 1, "iterations", ">= 1"),
-            (self.temperature > 0, "temperature", "> 0"),
-            (0 < self.clip_eps < 1, "clip_eps", "in (0, 1)"),
-            (self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high", "> 0 or null"),
-            (self.kl_beta >= 0, "kl_beta", ">= 0"),
             (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
-            (
-                self.tis_cap is None or (self.tis_cap >= 1 and self.old_logprobs == "recompute"),
-                "tis_cap",
-                ">= 1 with old_logprobs=recompute, or null",
-            ),
-            (self.num_minibatches >= 1 and self.epochs >= 1, "num_minibatches/epochs", ">= 1"),
-            (self.microbatch_tokens >= 1 and self.logprob_chunk >= 1, "microbatch_tokens/logprob_chunk", ">= 1"),
+            (self.tis_cap is None or self.old_logprobs == "recompute", "tis_cap", "null unless old_logprobs=recompute"),
             (isinstance(self.release_rollout_memory, bool), "release_rollout_memory", "true or false"),
             (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
             (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
             (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
-            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
             (isinstance(self.health_kl_ref, bool), "health_kl_ref", "true or false"),
             (isinstance(self.skip_saturated, bool), "skip_saturated", "true or false"),
-            (
-                isinstance(self.early_stop_patience, int) and not isinstance(self.early_stop_patience, bool)
-                and self.early_stop_patience >= 0,
-                "early_stop_patience",
-                "an integer >= 0 (0 = off)",
-            ),
-            (self.early_stop_min_delta >= 0, "early_stop_min_delta", ">= 0"),
+            (isinstance(self.early_stop_patience, int) and not isinstance(self.early_stop_patience, bool),
+             "early_stop_patience", "an integer >= 0 (0 = off)"),
         ]
         for ok, key, valid in checks:
             if not ok:
-                raise ValueError(f"grpo.{key}={getattr(self, key.split('/')[0])!r} is invalid: must be {valid}")
+                raise ValueError(f"grpo.{key}={getattr(self, key)!r} is invalid: must be {valid}")
 
 
 @dataclass

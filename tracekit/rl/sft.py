@@ -40,16 +40,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from tracekit.artifacts import iter_jsonl
 from tracekit.llm.decoding import causal_lm_of
-from tracekit.rl.components import (MetricsCSV, adamw_backend, check_settings, load_checkpoint, place_model,
+from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, load_checkpoint, place_model,
                                     save_checkpoint, save_peft_adapter, seed_everything)
 from tracekit.rl.fused import set_fused_update_kernels
-from tracekit.rl.settings import LoraSettings
+from tracekit.ranges import check_ranges
+from tracekit.rl.settings import LoraSettings, lora_ranges
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
 from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import stable_hash
@@ -81,25 +82,21 @@ class SFTSettings:
     keep_checkpoints: int = 2
     lora: LoraSettings = field(default_factory=LoraSettings)  # r 32 / alpha 64 (official SFT: r 32)
 
+    # checked here and by tracekit.validate for each config group built on this class (one check per knob)
+    RANGES: ClassVar[dict[str, str]] = {
+        "lr": "> 0", "epochs": ">= 1", "batch_size": ">= 1", "max_grad_norm": ">= 0", "warmup_ratio": "[0, 1)",
+        "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1", "logprob_chunk": ">= 1", "seed": ">= 0",
+        "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1", **lora_ranges()}  # fmt: skip
+
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        check_ranges("sft", self, self.RANGES)
         check_settings("sft", self, [
-            (self.lr > 0, "lr", "> 0"),
-            (self.epochs >= 1, "epochs", ">= 1"),
-            (self.batch_size >= 1, "batch_size", ">= 1"),
-            (self.max_grad_norm >= 0, "max_grad_norm", ">= 0"),
             (self.schedule in ("linear", "constant"), "schedule", "linear or constant"),
-            (0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)"),
-            (self.weight_decay >= 0, "weight_decay", ">= 0"),
-            (self.microbatch_tokens >= 1, "microbatch_tokens", ">= 1"),
-            (self.logprob_chunk >= 1, "logprob_chunk", ">= 1"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
-            (self.checkpoint_every >= 1, "checkpoint_every", ">= 1"),
-            (self.keep_checkpoints >= 1, "keep_checkpoints", ">= 1"),
-            (self.lora.rank >= 1 and 0 <= self.lora.dropout < 1, "lora", "rank >= 1, dropout in [0, 1)"),
-        ])  # fmt: skip
+        ])
 
 
 SFT_METRIC_COLUMNS = [
@@ -214,7 +211,7 @@ def train_sft(
     set_fused_update_kernels(causal_lm_of(model), s.fused_update_kernels)
     if s.gradient_checkpointing:
         set_activation_checkpointing(causal_lm_of(model), True)
-    backend = adamw_backend(model, s.lr, s.betas, s.weight_decay, s.max_grad_norm)
+    backend = LocalBackend(model, s)
     steps_per_epoch = math.ceil(len(rows) / s.batch_size)
     total = s.epochs * steps_per_epoch
     metrics = MetricsCSV(out / "metrics.csv", SFT_METRIC_COLUMNS, index="step")

@@ -56,6 +56,11 @@ def kinds() -> tuple[str, ...]:
     return tuple(_MODULES)
 
 
+def train_fields() -> frozenset[str]:
+    """The benchmark fields any target's training split reads (:attr:`Target.train_fields`)."""
+    return frozenset(f for kind in kinds() for f in target(kind).train_fields)
+
+
 def kind_of_env(env: str) -> str:
     """The target kind a trajectory's ``env`` belongs to: a library environment's name -> ``synthetic``, ToolSandbox's
     (``toolsandbox``, ``toolsandbox_<variant>``) -> ``toolsandbox``, anything else -> ``tau2``."""

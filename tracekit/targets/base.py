@@ -39,6 +39,9 @@ class Target:
     columns: tuple[str, ...] = ("overall",)
     paper_tasks: str | None = None  # the paper's full task set of this target (None: the paper does not use it)
     patch_reward: bool = False  # training tasks with gold patches (SWE-RL's patch-similarity reward)
+    # benchmark fields of this target's own training split: left unset they stay out of every target's training
+    # suite spec, so a field one target adds never moves another target's training identities (cache keys)
+    train_fields: tuple[str, ...] = ()
 
     def validate(self, cfg: DictConfig) -> None:
         """Raise ConfigError (one line) for a config this target cannot run."""

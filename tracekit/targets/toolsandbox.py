@@ -105,6 +105,7 @@ class ToolSandboxTarget(Target):
     metric = "similarity"
     columns = ("perfect", "mean_similarity")
     paper_tasks = "ToolSandbox: 129 base scenarios"
+    train_fields = ("train_domains", "train_split", "train_seed")
 
     def validate(self, cfg: DictConfig) -> None:
         b = cfg.benchmark

@@ -4,6 +4,7 @@ capabilities' GRPO rollouts, top-1 routing at inference."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +57,8 @@ class LoRAMoE(Strategy):
             return heldout_measures(model, groups, m.batch_size, m.ce_chunk, pad) if groups else {}
 
         before = measure()
-        log_rows = train_gates(model, examples, GateTrainConfig(
-            lambda_lb=m.lambda_lb, lr=m.lr, weight_decay=m.weight_decay, steps=m.steps, batch_size=m.batch_size,
-            max_grad_norm=m.max_grad_norm, ce_chunk=m.ce_chunk, seed=ctx.seed, pad_id=pad,
-            gradient_checkpointing=m.gradient_checkpointing))
+        log_rows = train_gates(model, examples, GateTrainConfig(**{f.name: m[f.name] for f in fields(GateTrainConfig)}),
+                               seed=ctx.seed, pad_id=pad)
         after = measure()
         write_log_csv(log_rows, ctx.work_dir / "gate_log.csv")
         for row in log_rows:
