@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 
 import pytest
 
@@ -170,6 +171,53 @@ def test_a_dead_worker_ends_only_its_episodes_with_its_exit_and_last_stderr_line
         assert "last stderr line: about to die: the sandbox segfaulted" in trajs[tid].error
     assert all(trajs[t].reward == 1.0 and trajs[t].error is None for t in ("t1", "t3", "t4", "t5"))
     assert not first.proc.is_alive() and all(not w.proc.is_alive() for w in pool.workers if w is not None)
+
+
+class HangingEpisode(DyingEpisode):
+    def step(self, action) -> StepResult:
+        if self.task.data["die"] and self.n == 1:  # a tool call that never returns (a wedged server, a deadlock)
+            print("waiting on a lock that never frees", file=sys.stderr, flush=True)
+            time.sleep(3600)
+        return super().step(action)
+
+
+class HangingSuite(DyingSuite):
+    def episode(self, task, seed=0):
+        return HangingEpisode(task)
+
+
+def hanging_suite(n: int) -> EnvSuite:
+    return HangingSuite(n)
+
+
+def test_a_hung_worker_is_killed_and_ends_only_its_episodes(tmp_path):
+    from tracekit.agents import LLMAgent
+
+    agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16, return_tokens=True)
+    t0 = time.monotonic()
+    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6,)), 2, reply_timeout=2.0) as pool:
+        first = pool.workers[0]
+        s = run_rollouts(PooledSuite(HangingSuite(6), pool), agent, tmp_path, max_steps=5, batch_size=4,
+                         progress=False)
+        assert not first.proc.is_alive() and pool.workers[0] is not first and pool.workers[0].proc.is_alive()
+    assert time.monotonic() - t0 < 60  # the timeout, not the hour's sleep
+    trajs = {t.task_id: t for t in read_trajectories(tmp_path)}
+    assert len(trajs) == 6 and s.errors == 2  # t0 (hangs) and t2 (its worker's other episode)
+    for tid in ("t0", "t2"):
+        assert "WorkerDied: env worker 0" in trajs[tid].error and "sent no reply in 2 s (hung)" in trajs[tid].error
+        assert "last stderr line: waiting on a lock that never frees" in trajs[tid].error
+    assert all(trajs[t].reward == 1.0 and trajs[t].error is None for t in ("t1", "t3", "t4", "t5"))
+
+
+def test_reply_timeout_is_checked_and_validated(make_cfg):
+    from tracekit.config import ConfigError
+    from tracekit.validate import validate
+
+    with pytest.raises(ValueError, match="reply_timeout must be > 0"):
+        EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (1,)), 1, reply_timeout=0)
+    with pytest.raises(ConfigError, match=r"rollout\.env_reply_timeout_s=-1\.0 is invalid: must be > 0"):
+        validate(make_cfg("rollout.env_reply_timeout_s=-1.0"))
+    validate(make_cfg("rollout.env_reply_timeout_s=null"))  # no timeout: wait as long as it takes
 
 
 def test_messages_over_the_pipe_buffer_do_not_deadlock(tmp_path):

@@ -311,6 +311,7 @@ class RolloutConfig:
     """How rollouts execute (in no cache key: results are identical whatever they are)."""
 
     env_workers: Any = "auto"  # auto | 0 (in-process) | N: processes stepping expensive environments (tracekit.envs.pool)
+    env_reply_timeout_s: float | None = 900.0  # a worker silent this long on one turn is killed (hung); None: wait
 
 
 @dataclass

@@ -24,8 +24,8 @@ from tracekit.rl.settings import LauncherSettings
 from tracekit.rollout import TRAJECTORIES, read_trajectories, run_rollouts
 from tracekit.targets import target_of
 from tracekit.types import stable_hash
-from tracekit.wiring import (backbone_dict, build_agent, build_suite, device, dtype, engine_spec, env_workers, plain,
-                             rollout_reads, select, suite_spec, user_kind)
+from tracekit.wiring import (backbone_dict, build_agent, build_suite, device, dtype, engine_spec, env_reply_timeout,
+                             env_workers, plain, rollout_reads, select, suite_spec, user_kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
             weights = {} if policy.weights is None else {policy.kind: str(policy.weights.path / policy.subdir)}
             agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
             greedy = cfg.eval.temperature == 0
-            with pooled(suite, lambda: suite_spec(cfg), env_workers(cfg)) as stepped:
+            with pooled(suite, lambda: suite_spec(cfg), env_workers(cfg), reply_timeout=env_reply_timeout(cfg)) as stepped:
                 summary = run_rollouts(
                     stepped, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
                     seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
@@ -130,7 +130,7 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
             env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=engine_spec(cfg),
             # execution only (in no key); an LLM user's replies are batched in the trainer's process
-            env_workers=0 if user_kind(cfg) == "llm" else env_workers(cfg))
+            env_workers=0 if user_kind(cfg) == "llm" else env_workers(cfg), env_reply_timeout=env_reply_timeout(cfg))
         launcher = LauncherSettings(**plain(cfg.launcher))
         logger = ctx.record.logger
 

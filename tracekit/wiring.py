@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from tracekit.agents import LLMAgent
-from tracekit.envs.pool import SuiteSpec
+from tracekit.envs.pool import REPLY_TIMEOUT_S, SuiteSpec
 from tracekit.llm import make_client
 from tracekit.llm.backbones import keeping_cached_models, register_model_cache, release_memory
 from tracekit.targets import target_of
@@ -175,6 +175,11 @@ def suite_spec(cfg: DictConfig, split: str | None = None) -> SuiteSpec | None:
 def env_workers(cfg: DictConfig) -> Any:
     """``rollout.env_workers`` (execution only: in no cache key)."""
     return OmegaConf.select(cfg, "rollout.env_workers", default="auto")
+
+
+def env_reply_timeout(cfg: DictConfig) -> float | None:
+    """``rollout.env_reply_timeout_s``: how long an env worker may stay silent on one turn (execution only)."""
+    return OmegaConf.select(cfg, "rollout.env_reply_timeout_s", default=REPLY_TIMEOUT_S)
 
 
 def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None,

@@ -16,6 +16,8 @@ a shard of the episodes. :class:`PooledSuite` is the :class:`~tracekit.envs.base
 - a worker that dies: every episode it held ends with a :class:`WorkerDied` error naming the worker, its exit
   code and the last line of its stderr (recorded on the trajectory, counted in the summary, never a hang), and
   the pool starts a new worker in its slot for later episodes (at most ``max_restarts`` times per slot);
+- a worker that hangs (no reply to a turn's batch, or no outcome it owes, within ``reply_timeout`` seconds:
+  ``rollout.env_reply_timeout_s``) is killed and handled as one that died, its error saying it hung;
 - clean shutdown: a context manager, and an ``atexit`` hook for pools never closed; workers are joined,
   then terminated, then killed.
 
@@ -37,6 +39,7 @@ import sys
 import queue
 import tempfile
 import threading
+import time
 import traceback
 import weakref
 from collections import defaultdict
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 
 MAX_AUTO_WORKERS = 8  # auto: min(cpus - 1, this) for suites with expensive steps
 MIN_AUTO_WORKERS = 2  # auto: in-process below this many (a 2-CPU machine)
+REPLY_TIMEOUT_S = 900.0  # a worker's reply to one turn covers all its episodes' steps (a coding shard: minutes)
 
 
 def cpu_count() -> int:
@@ -222,12 +226,13 @@ class _Worker:
             return ""
         return lines[-1][:500] if lines else ""
 
-    def recv(self, outcome: bool = False) -> Any:
+    def recv(self, outcome: bool = False, timeout: float | None = None) -> Any:
         """The worker's next message (outcomes are stored, and returned only with ``outcome``); raises _Dead
-        when it exited."""
+        when it exited, or when ``timeout`` seconds pass without the message (it is killed: hung)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                if self.conn.poll(0.5):
+                if self.conn.poll(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
                     msg = self.conn.recv()
                     if msg[0] == "outcome":
                         self.outcomes[msg[1]] = msg[2]
@@ -239,6 +244,8 @@ class _Worker:
                 self.die()
             if not self.proc.is_alive() and not self.conn.poll(0):
                 self.die()
+            if deadline is not None and time.monotonic() >= deadline:
+                self.die(hung=timeout)
 
     def send(self, msg: Any) -> None:
         try:
@@ -246,14 +253,18 @@ class _Worker:
         except (OSError, ValueError):
             self.die()
 
-    def die(self) -> None:
+    def die(self, hung: float | None = None) -> None:
         if self.dead is None:
+            if hung is not None:  # alive but silent: its episodes would wait forever
+                self.proc.kill()
             self.proc.join(5)
             if self.proc.is_alive():  # a broken pipe from a live worker: stop it
                 self.proc.kill()
                 self.proc.join(5)
             last = self.last_stderr()
-            self.dead = (f"env worker {self.slot} (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+            what = (f"sent no reply in {hung:g} s (hung) and was killed" if hung is not None
+                    else f"exited with code {self.proc.exitcode}")
+            self.dead = (f"env worker {self.slot} (pid {self.proc.pid}) {what}"
                          + (f"; last stderr line: {last}" if last else "; no stderr output"))
             log.warning("%s: %d episode(s) it held end with an error", self.dead, len(self.live))
             self.conn.close()
@@ -311,10 +322,14 @@ def _raise(x: Any) -> Any:
 class EnvPool:
     """``workers`` processes, each with its own suite built from ``spec``; see the module docstring."""
 
-    def __init__(self, spec: SuiteSpec, workers: int, *, max_restarts: int = 3, start_timeout: float = 600.0):
+    def __init__(self, spec: SuiteSpec, workers: int, *, max_restarts: int = 3, start_timeout: float = 600.0,
+                 reply_timeout: float | None = REPLY_TIMEOUT_S):
         if workers < 1:
             raise ValueError(f"an EnvPool needs >= 1 worker, got {workers}")
-        self.spec, self.n, self.max_restarts = spec, workers, max_restarts
+        if reply_timeout is not None and reply_timeout <= 0:
+            raise ValueError(f"reply_timeout must be > 0 seconds or None, got {reply_timeout}")
+        self.spec, self.n, self.max_restarts, self.reply_timeout = spec, workers, max_restarts, reply_timeout
+        self.start_timeout = start_timeout
         self._ctx = mp.get_context("forkserver")
         from multiprocessing import forkserver
 
@@ -342,7 +357,7 @@ class EnvPool:
 
     def _await_ready(self, w: _Worker) -> str:
         try:
-            msg = w.recv()
+            msg = w.recv(timeout=self.start_timeout)
         except _Dead as e:
             raise RuntimeError(f"env pool could not start: {e}") from None
         if msg[0] == "failed":
@@ -415,7 +430,7 @@ class EnvPool:
                 out[w] = str(e)
         for w in sent:
             try:
-                out[w] = w.recv()[1]
+                out[w] = w.recv(timeout=self.reply_timeout)[1]
             except _Dead as e:
                 out[w] = str(e)
         for w, r in out.items():
@@ -482,7 +497,7 @@ class EnvPool:
                 self.submit()
                 continue
             try:
-                msg = w.recv(outcome=True)
+                msg = w.recv(outcome=True, timeout=self.reply_timeout)
             except _Dead:
                 self._replace(w)
                 continue
@@ -561,9 +576,10 @@ def valid_setting(setting: Any) -> bool:
 
 @contextmanager
 def pooled(suite: EnvSuite, spec: SuiteSpec | Callable[[], SuiteSpec | None] | None, workers: Any,
-           share: int = 1) -> Iterator[EnvSuite]:
+           share: int = 1, reply_timeout: float | None = REPLY_TIMEOUT_S) -> Iterator[EnvSuite]:
     """``suite`` itself (``workers`` resolves to 0, or no ``spec``), else a :class:`PooledSuite` over a pool of
-    that many workers, closed on exit. ``spec`` may be a function, called only when a pool is made."""
+    that many workers (each killed when silent for ``reply_timeout`` s), closed on exit. ``spec`` may be a
+    function, called only when a pool is made."""
     n = resolve_workers(workers, suite, share)
     if n > 0 and callable(spec):
         spec = spec()
@@ -571,6 +587,6 @@ def pooled(suite: EnvSuite, spec: SuiteSpec | Callable[[], SuiteSpec | None] | N
         yield suite
         return
     spec = replace(spec, preload=(*spec.preload, type(suite).__module__))
-    with EnvPool(spec, n) as pool:
+    with EnvPool(spec, n, reply_timeout=reply_timeout) as pool:
         yield PooledSuite(suite, pool)
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tracekit.artifacts import atomic_write_json, read_json
-from tracekit.envs.pool import SuiteSpec, pooled
+from tracekit.envs.pool import REPLY_TIMEOUT_S, SuiteSpec, pooled
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.llm.hf import HFChatClient
 from tracekit.ports import free_port
@@ -72,6 +72,7 @@ class TrainSpec:
     chat_format: str = "qwen3"  # the backbone's tool-call syntax (backbone.chat_format)
     engine: dict[str, Any] = field(default_factory=lambda: {"kind": "hf"})  # or {"kind": "vllm", **VLLMSettings}
     env_workers: Any = 0  # rollout.env_workers: the env Factory's suite stepped in worker processes (tracekit.envs.pool)
+    env_reply_timeout: float | None = REPLY_TIMEOUT_S  # rollout.env_reply_timeout_s: a silent worker is killed
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +87,7 @@ class TrainSpec:
             chat_format=d.get("chat_format", "qwen3"),
             engine=dict(d.get("engine") or {"kind": "hf"}),
             env_workers=d.get("env_workers", 0),
+            env_reply_timeout=d.get("env_reply_timeout", REPLY_TIMEOUT_S),
         )
 
 
@@ -227,7 +229,7 @@ def run_training(
     suite = spec.env.build()
     # GRPO rollouts go through the episode core (tracekit.rl.episodes.run_episodes): a pooled suite steps there too
     with pooled(suite, SuiteSpec(spec.env.target, kwargs=dict(spec.env.kwargs)), spec.env_workers,
-                share=dist.world) as stepped:
+                share=dist.world, reply_timeout=spec.env_reply_timeout) as stepped:
         trainer = GRPOTrainer(
             model, tokenizer, stepped, spec.grpo, spec.out_dir, chat_format=spec.chat_format, engine_factory=factory,
             backend_factory=backend_factory, dist=dist, callbacks=callbacks, device=device,

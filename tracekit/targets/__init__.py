@@ -1,10 +1,5 @@
-"""The targets registry: one module per target, keyed by ``benchmark.kind``.
-
-| kind | module | suite | metric |
-|---|---|---|---|
-| ``tau2`` | ``tau2.py`` | real tau^2-bench airline/retail (its evaluator) | pass rate per domain, union overall |
-| ``synthetic`` | ``tau2_mini.py`` | held-out instances of the tau^2 library environments | pass rate per environment |
-| ``toolsandbox`` | ``toolsandbox.py`` | real ToolSandbox behind its environment server (its evaluator) | mean similarity, perfect rate |
+"""The targets registry: one module per target, keyed by ``benchmark.kind`` (the table of kinds, modules, suites
+and metrics: docs/ARCHITECTURE.md's targets registry, held against ``_MODULES`` by tests/test_docs_registries.py).
 
 Adding a target: one module here with a :class:`~tracekit.targets.base.Target` subclass, one entry in
 ``_MODULES``, one ``conf/benchmark/<name>.yaml`` (``kind: <kind>``). ``tests/test_toolsandbox.py`` holds the
@@ -29,13 +24,6 @@ _MODULES = {
     "coding": ("coding", "CodingTarget"),  # issue 20: local SWE-smith-style tasks
     "swebench": ("coding", "SweBenchTarget"),  # issue 20: SWE-bench Verified (the harness in Docker)
 }
-KINDS = tuple(_MODULES)
-
-
-def register(kind: str, module: str, cls: str) -> None:
-    """Add a target kind from another package (``module``: an importable module path, e.g. a coding target)."""
-    _MODULES[kind] = (module, cls)
-    target.cache_clear()
 
 
 @cache
