@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tracekit.artifacts import atomic_write_text
 from tracekit.envs.toolsandbox import ToolSandboxServer
-from tracekit.envs.toolsandbox import TOOLSANDBOX_EXTRACT
+from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_EXTRACT
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from tracekit.coding import reward as rw
 from tracekit.coding.sandbox import CommandLimits
-from tracekit.coding.suite import REMINDER, TOOLS, CodingSuite, gold_actions
+from tracekit.coding.interface import TOOLS
+from tracekit.coding.suite import REMINDER, CodingSuite, gold_actions
 from tracekit.coding.tasks import (
     CodingTask,
     TaskGenConfig,

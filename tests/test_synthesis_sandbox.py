@@ -151,3 +151,18 @@ def test_ground_truth_using_a_hidden_tool_is_named():
     report = validate_source(src, "hidden-tool", ValidationConfig(n_seeds=10), LIMITS)
     assert report.reason == ("solvable: seed 0: the ground truth calls tools the environment does not expose: "
                              "['set_cellular_service_status']")
+
+
+def test_what_generated_environments_import_loads_no_native_library():
+    """A generated environment imports the protocol and the target interfaces inside the sandbox, whose hook
+    refuses native library loading (tests above): those modules stay plain Python (no torch, no ctypes)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nloaded = []\nsys.addaudithook(lambda e, a: loaded.append(a[0]) if e == 'ctypes.dlopen' else None)\n"
+            "import tracekit.synthesis.protocol, tracekit.synthesis.targets\n"
+            "from tracekit.synthesis.targets import target_policy, tool_schemas\n"
+            "tool_schemas('toolsandbox', ['get_current_timestamp']), target_policy('coding')\n"
+            "assert not loaded and 'torch' not in sys.modules, (loaded, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -161,7 +161,7 @@ def _run(suite, agent, out, **kw):
 @needs_venv
 def test_real_scenarios_tools_and_prompt(suite):
     from tracekit.synthesis.library import LIBRARY_NAMES, library_env
-    from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT
+    from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT
     from tracekit.synthesis.targets import schema_mismatch, target_tools
 
     rows = suite.server.request("scenarios", variants=[])

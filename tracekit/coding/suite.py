@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from tracekit.coding.repo import Workspace, read_tree
 from tracekit.coding.reward import PatchVerdict, evaluate_patch, prediction, swe_rl_reward
+from tracekit.coding.interface import TOOLS
 from tracekit.coding.sandbox import CommandLimits, isolation
 from tracekit.coding.tasks import CodingTask, TaskSet
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
@@ -35,25 +36,6 @@ log = logging.getLogger(__name__)
 RewardKind = Literal["tests", "swe_rl"]
 REMINDER = ("No tool call found. Call `bash` with a command to inspect, edit or test the repository, "
             "or `submit` when the fix is done.")
-
-BASH_TOOL = {"type": "function", "function": {
-    "name": "bash",
-    "description": ("Run one bash command in the repository root and return its output and exit code. Every call "
-                    "is a fresh shell (cd and variables do not persist); there is no network; long outputs are cut."),
-    "parameters": {"type": "object", "properties": {
-        "command": {"type": "string", "description": "the bash command line, e.g. grep -n 'def f' pkg/mod.py"}},
-        "required": ["command"]}}}
-SUBMIT_TOOL = {"type": "function", "function": {
-    "name": "submit",
-    "description": "Submit the repository as it is now as your fix; this ends the task.",
-    "parameters": {"type": "object", "properties": {
-        "answer": {"type": "string", "description": "optional: one line on what you fixed (e.g. the function)"}},
-        "required": []}}}
-TOOLS = [BASH_TOOL, SUBMIT_TOOL]
-GENERIC_POLICY = ("You are a software engineer fixing a bug in a Python package (its source and its tests are in "
-                  "the current directory). Use the `bash` tool to read files, edit them and run the tests; make the "
-                  "smallest change that fixes the bug, do not edit the tests, check that the tests pass, then call "
-                  "`submit`.")
 
 
 def system_prompt(task: CodingTask) -> str:

@@ -35,7 +35,8 @@ from tracekit.artifacts import atomic_write_text
 from tracekit.coding.repo import Workspace
 from tracekit.coding.reward import prediction
 from tracekit.coding.sandbox import CommandLimits
-from tracekit.coding.suite import TOOLS, CodingEpisode
+from tracekit.coding.interface import TOOLS
+from tracekit.coding.suite import CodingEpisode
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome
 from tracekit.types import Message, Task
 

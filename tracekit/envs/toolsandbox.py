@@ -38,6 +38,7 @@ from typing import Any
 
 from tracekit.agents import Agent
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
+from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
 from tracekit.llm.base import ChatResponse
 from tracekit.types import Message, Task, ToolCall
 
@@ -51,20 +52,7 @@ VARIANTS = ("3_distraction_tools", "10_distraction_tools", "all_tools",
             "3_distraction_tools_arg_description_scrambled", "3_distraction_tools_tool_name_scrambled")
 DOMAINS = ("base", *VARIANTS)  # benchmark.domains of the toolsandbox target: the base scenarios and named variants
 PERFECT = 1.0 - 1e-9
-TOOLSANDBOX_SYSTEM_PROMPT = (  # the system prompt ToolSandbox's base scenarios give the agent
-    "Don't make assumptions about what values to plug into functions. "
-    "Ask for clarification if a user request is ambiguous."
-)
-TOOLSANDBOX_EXTRACT = Path(__file__).resolve().parent.parent / "targets" / "data" / "toolsandbox_tools.json"
 UNHELPFUL = "I am sorry, but I cannot assist with that."  # ToolSandbox's UnhelpfulAgent, word for word
-
-
-def toolsandbox_tools() -> dict[str, dict[str, Any]]:
-    """Every agent-visible ToolSandbox tool as ToolSandbox's own converter gives it (a fresh copy): a committed
-    extract of the real ToolSandbox (``scripts/extract_toolsandbox_tools.py``; ``tests/test_toolsandbox.py`` holds
-    it against the real one when ToolSandbox's environment is built), known without ToolSandbox's environment."""
-    tools = json.loads(TOOLSANDBOX_EXTRACT.read_text(encoding="utf-8"))["tools"]
-    return {t["function"]["name"]: t for t in tools}
 
 
 class EnvironmentServerError(RuntimeError):

@@ -14,8 +14,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from tracekit.coding.suite import GENERIC_POLICY, TOOLS
-from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
+from tracekit.coding.interface import GENERIC_POLICY, TOOLS
+from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
 
 TAU2_TARGETS = ("tau2_airline", "tau2_retail")
 TARGETS = (*TAU2_TARGETS, "toolsandbox", "coding")  # coding: tracekit/coding/suite.py (bash, submit)

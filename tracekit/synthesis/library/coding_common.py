@@ -20,7 +20,7 @@ from typing import Any
 
 from tracekit.coding.repo import Workspace, read_tree, run_tests
 from tracekit.coding.sandbox import CommandLimits
-from tracekit.coding.suite import TOOLS
+from tracekit.coding.interface import TOOLS
 from tracekit.synthesis.protocol import Call, Instance, SyntheticEnv, World
 from tracekit.types import Message, stable_hash
 

@@ -19,7 +19,7 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
-from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT
+from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT
 from tracekit.synthesis.library.toolsandbox_common import ToolSandboxEnv, initial_state, to_ts, us_holidays, utc
 from tracekit.synthesis.protocol import Call, Instance, communicated
 from tracekit.types import Message

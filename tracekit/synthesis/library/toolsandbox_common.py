@@ -15,7 +15,7 @@ import re
 from datetime import date, datetime, timedelta, timezone
 from typing import Any, ClassVar
 
-from tracekit.envs.toolsandbox import TOOLSANDBOX_SYSTEM_PROMPT
+from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT
 from tracekit.synthesis.protocol import Instance, SyntheticEnv, World
 from tracekit.synthesis.targets import tool_schemas
 
