@@ -56,3 +56,13 @@ def test_package_has_no_circles_and_every_deferred_import_says_why():
     for s in (s for s in stmts if s.function_level):
         line = mods[s.source].read_text().splitlines()[s.line - 1]
         assert "# deferred:" in line, f"{s.source}:{s.line} imports inside a function without '# deferred: <why>'"
+
+
+def test_module_sizes_table_names_new_gone_and_resized_modules():
+    import module_sizes
+
+    t = module_sizes.table({"p.a": 10, "p.b": 5, "p.c": 7}, {"p.a": 12, "p.c": 7, "p.d": 3})
+    assert t.startswith("modules 3 -> 3, lines 22 -> 22; 3 modules new, gone or resized, 1 unchanged")
+    assert "| `p.a` | 10 | 12 | +2 |" in t and "| `p.b` | 5 | - | gone |" in t and "| `p.d` | - | 3 | new |" in t
+    assert "`p.c`" not in t
+    assert module_sizes.module_name("tracekit/envs/__init__.py") == "tracekit.envs"
