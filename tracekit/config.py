@@ -21,6 +21,7 @@ from omegaconf.errors import InterpolationResolutionError
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
+from tracekit.envs.pool import REPLY_TIMEOUT_S
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPOSettings, LauncherSettings
@@ -311,7 +312,7 @@ class RolloutConfig:
     """How rollouts execute (in no cache key: results are identical whatever they are)."""
 
     env_workers: Any = "auto"  # auto | 0 (in-process) | N: processes stepping expensive environments (tracekit.envs.pool)
-    env_reply_timeout_s: float | None = 900.0  # a worker silent this long on one turn is killed (hung); None: wait
+    env_reply_timeout_s: float | None = REPLY_TIMEOUT_S  # a worker silent this long on one turn is killed; None: wait
 
 
 @dataclass

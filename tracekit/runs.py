@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.envs.pool import pooled
 from tracekit.config import eval_benchmark, evaluation_config
+from tracekit.envs.pool import pooled
 from tracekit.pipeline import StageContext
 from tracekit.policy import Policy
 from tracekit.rl.launch import Factory, TrainSpec, train

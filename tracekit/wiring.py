@@ -159,14 +159,13 @@ def suite_from_config(cfg: dict, split: str | None = None) -> Any:
 def suite_spec(cfg: DictConfig, split: str | None = None) -> SuiteSpec | None:
     """The picklable spec env workers build ``cfg``'s suite from, or None when its steps call a model in the
     driver (an LLM user)."""
-    if cfg.user.kind == "llm":
+    if user_kind(cfg) == "llm":
         log.info("rollout.env_workers: in-process (the LLM user's replies are batched in the driver)")
         return None
     plain_cfg: dict[str, Any] = {}
     for k in cfg:  # each top-level group that resolves (a stage's read view masks the ones it does not read)
         try:
-            node = cfg[k]
-            plain_cfg[k] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+            plain_cfg[k] = plain(cfg[k])
         except Exception:  # noqa: BLE001
             continue
     return SuiteSpec("tracekit.wiring:suite_from_config", (plain_cfg, split), preload=("tracekit.wiring",))
