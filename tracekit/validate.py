@@ -27,6 +27,7 @@ from tracekit.config import (Config, ConfigError, _check, eval_benchmark, evalua
 from tracekit.envs.pool import valid_setting as valid_env_workers
 from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX_DOMAINS
 from tracekit.envs.toolsandbox import VARIANTS as TOOLSANDBOX_VARIANTS
+from tracekit.llm.backbones import BACKBONES
 from tracekit.llm.base import EndpointError
 from tracekit.llm.decoding import PREFIX_CACHE_MIB
 from tracekit.llm.openai import OpenAIChatClient
@@ -40,7 +41,7 @@ from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
 from tracekit.stages import build_pipeline
-from tracekit.synthesis.library import LIBRARY_NAMES
+from tracekit.targets import env_names
 from tracekit.targets import kinds as target_kinds
 from tracekit.targets import target_of
 from tracekit.targets.tau2 import TAU2_DOMAINS
@@ -98,7 +99,7 @@ RANGES: dict[str, str] = {
 
 
 def _library_names() -> tuple[str, ...]:
-    return LIBRARY_NAMES
+    return env_names()
 
 
 def _benchmark_names() -> tuple[str, ...]:
@@ -279,6 +280,19 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(interpolation_message(e, cfg)) from None
 
 
+def _check_world_backbone(cfg: DictConfig, planted: PlantedSpec) -> None:
+    """A backbone trained from random init on one world (tokenizer=world: the micro backbone) runs on that world's
+    target only: anywhere else it has never seen a token of the task."""
+    spec = BACKBONES.get(cfg.backbone.name)
+    if spec is None or spec.tokenizer != "world":
+        return
+    family = target_of(cfg).synthesis_family(cfg) if cfg.benchmark.kind in target_kinds() else None
+    if family != planted.family:
+        raise ConfigError(f"backbone={cfg.backbone.name} was warm-started for the {planted.family} world "
+                          f"(backbone.planted.family); benchmark={cfg.benchmark.name} is a {family} target: use "
+                          f"benchmark=micro, or another backbone")
+
+
 def _validate(cfg: DictConfig) -> None:
     if "seed" not in cfg:  # Hydra's ~seed deletes it; every stage derives its seeds from it
         raise ConfigError("seed is not in the config (an override like ~seed removes it): every stage derives its "
@@ -295,9 +309,10 @@ def _validate(cfg: DictConfig) -> None:
     _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
     if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line
         try:
-            PlantedSpec.from_config(cfg.backbone.planted)
+            planted = PlantedSpec.from_config(cfg.backbone.planted)
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e)) from None
+        _check_world_backbone(cfg, planted)
     for key in ("tool_choice", "copy_ids"):
         if cfg.agent[key] not in ("auto", False):
             _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,
