@@ -11,7 +11,7 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 J=$OUT/rollout_throughput_h200_issue40.json
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used,clocks.sm --format=csv,noheader; uptime
 t=$(date +%s)
-ROLLOUT_ARMS=batched timeout -s INT -k 10 $(( $(left) < 320 ? $(left) : 320 )) python3 benchmarks/rollout_arms.py \
+ROLLOUT_ARMS=batched timeout -s INT -k 10 $(( $(left) < 300 ? $(left) : 300 )) python3 benchmarks/rollout_arms.py \
   --targets gain --gain-limit 100 --repeats 3 --warmup turn --host-rows 0 --moe --lora-target gain --generate 6 --json "$J"
 echo "throughput: rc=$? in $(( $(date +%s) - t )) s, $(left) s left"
 t=$(date +%s)
