@@ -272,6 +272,18 @@ def world_base(base: Any, family: str, cache_dir: str | Path | None = None) -> t
     return build_model_from_arch(base, device="cpu", dtype="float32"), tokenizer
 
 
+def planted_key(spec: PlantedSpec, base: Any) -> str:
+    return stable_hash({"planted": asdict(spec), "base": base_identity(base), "version": PLANTED_VERSION}, length=16)
+
+
+def planted_dir(backbone: Any, device: str = "cpu", cache_dir: str | Path | None = None) -> Path:
+    """The planted backbone folder of ``backbone`` (a BackboneSpec with ``planted`` set), built once."""
+    spec = PlantedSpec.from_config(backbone.planted)
+    base = dataclasses.replace(backbone, planted=None)
+    final = cache_root(cache_dir) / "planted" / f"{backbone.name}-{planted_key(spec, base)}"
+    return cached_folder(final, lambda tmp: build_planted(spec, base, tmp, device, cache_dir))
+
+
 def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
                   cache_dir: str | Path | None = None) -> dict[str, Any]:
     """SFT ``base`` on the demonstrations, merge, and write the folder (see the module docstring)."""
