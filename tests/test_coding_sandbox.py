@@ -237,6 +237,31 @@ def test_copying_the_package_from_anywhere_does_not_solve_a_task(taskset):
     assert (o.reward, o.success) == (0.0, False) and o.info["status"] in ("empty_patch", "tests_failed"), o.info
 
 
+def test_every_copy_of_a_hidden_package_in_a_bound_directory_is_covered(ws, tmp_path):
+    """Copies of the task's package outside the interpreter's site directories (another version's source tree,
+    its .dist-info, a wheel, a renamed file of it) are covered where a bound directory holds them; the rest of
+    that directory stays; without ``hide`` all of it shows."""
+    import importlib.metadata
+
+    d = importlib.metadata.distribution("toolz")
+    site_dir = Path(d.locate_file(""))
+    shown = tmp_path / "shown"
+    shutil.copytree(site_dir / "toolz", shown / "lib" / "toolz", ignore=shutil.ignore_patterns("__pycache__"))
+    (shown / "lib" / "toolz" / "recipes.py").write_text("# another version\n")  # not the same files: by name
+    shutil.copytree(site_dir / f"toolz-{d.version}.dist-info", shown / "lib" / f"toolz-{d.version}.dist-info")
+    (shown / "dist").mkdir()
+    (shown / "dist" / "toolz-0.9.0-py3-none-any.whl").write_bytes(b"PK wheel")
+    (shown / "dist" / "renamed.txt").write_text((site_dir / "toolz" / "itertoolz.py").read_text())
+    (shown / "dist" / "mine.py").write_text("M = 1\n" * 100)
+    os.chmod(tmp_path, 0o755)
+    probe = (f"cd {shown} && find lib -type f | wc -l; "
+             "wc -c < dist/toolz-0.9.0-py3-none-any.whl; wc -c < dist/renamed.txt; wc -c < dist/mine.py")
+    hidden = sandbox.run(probe, ws.repo, WIDE, read_only=(shown,), hide=("toolz",))
+    assert hidden.output.split()[:4] == ["0", "0", "0", "600"], hidden.output
+    shown_all = sandbox.run(probe, ws.repo, WIDE, read_only=(shown,))
+    assert int(shown_all.output.split()[0]) > 10 and shown_all.output.split()[1:3] != ["0", "0"], shown_all.output
+
+
 def test_a_cache_under_a_bound_prefix_is_refused(make_cfg, monkeypatch, ws):
     """``paths.cache_dir=`` inside the interpreter's prefix (bound into every command): the coding target refuses
     before generating anything, in one line naming the cache and the prefix; so does every command while

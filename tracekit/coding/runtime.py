@@ -308,11 +308,19 @@ _ARCHIVES = (".whl", ".tar.gz", ".tgz", ".tar.bz2", ".zip", ".egg")
 
 
 def _named(name: str, fp: Fingerprint, is_dir: bool) -> bool:
+    """A ``.dist-info`` / ``.egg-info`` / ``.egg`` of a hidden distribution, one of its archives (wheel, sdist),
+    or a file of one of its top-level module names."""
     low = name.lower()
-    if low.endswith((".dist-info", ".egg-info", ".egg")):
-        return normalize(low.rsplit(".", 1)[0].split("-", 1)[0]) in fp.names
+
+    def versioned(stem: str) -> bool:  # <name>_<version...> once normalized
+        return any(re.match(rf"{re.escape(n)}_\d", stem) for n in fp.names)
+
+    for suffix in (".dist-info", ".egg-info", ".egg"):
+        if low.endswith(suffix):
+            stem = normalize(low[:-len(suffix)])
+            return stem in fp.names or versioned(stem)
     if not is_dir and low.endswith(_ARCHIVES):
-        return normalize(low.split("-", 1)[0]) in fp.names
+        return versioned(normalize(low))
     return not is_dir and name in fp.modules
 
 
@@ -336,11 +344,15 @@ def scan(src: str, prune: tuple[str, ...], fp: Fingerprint) -> Found:
     """Walk ``src`` (a bound file or directory, not following links, not into ``prune``: absolute paths covered by
     other mounts or not carried by the bind) for copies of ``fp``'s distributions and for task caches; cached per
     process for :data:`SCAN_TTL_S`."""
+    if not os.path.isdir(src):  # a bound file (a patch): not worth keeping
+        return _scan(src, set(prune), fp)
     key = (src, prune, fp)
     hit = _SCANS.get(key)
     if hit and time.monotonic() - hit[0] < SCAN_TTL_S:
         return hit[1]
     found = _scan(src, set(prune), fp)
+    if len(_SCANS) > 256:
+        _SCANS.clear()
     _SCANS[key] = (time.monotonic(), found)
     return found
 

@@ -10,13 +10,21 @@ bound, read-only, ``/usr`` and the library/binary directories (``/bin``, ``/lib*
 where the host has them so), a few loader files of ``/etc`` (``ld.so.cache``, ``alternatives``, ...; ``passwd``,
 ``group``, ``hosts`` are generated: root and nobody only), ``/dev/{null,zero,full,random,urandom}``, the interpreter's
 prefix(es) wherever they live (``sys.prefix``, ``sys.base_prefix``: a venv under /tmp or $HOME, pyenv, conda, the
-system), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file); writable: its own task
-copy (and ``writable``: a results directory); fresh size-limited tmpfs on ``/tmp``, ``/var/tmp``, ``/dev/shm``; a fresh
-procfs of its own PID namespace. Nothing else exists for it: not the stage cache (gold patches, hidden tests), not
-the host checkout, not the host /proc, not $HOME, not sibling task copies (only its own directory under
-:func:`work_root` is bound), not a host unix socket (filesystem sockets are not bound; abstract ones belong to the
-network namespace). Where one of those lies inside a bound directory (a checkout under /usr, a cache inside the
-prefix) it is covered by an empty read-only tmpfs (:func:`secret_paths`). Network: a fresh network namespace (no
+system) with every site directory of the interpreter covered by the *task runtime* (pytest and its requirements,
+copied into a directory tracekit owns: :mod:`tracekit.coding.runtime`; nothing else installed shows, so neither does
+the package a task was made from), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file);
+writable: its own task copy (and ``writable``: a results directory); fresh size-limited tmpfs on ``/tmp``,
+``/var/tmp``, ``/dev/shm``; a fresh procfs of its own PID namespace. Nothing else exists for it: not the stage cache
+(gold patches, hidden tests), not the host checkout, not the host /proc, not $HOME, not sibling task copies (only its
+own directory under :func:`work_root` is bound), not a host unix socket (filesystem sockets are not bound; abstract
+ones belong to the network namespace). Where the checkout, $HOME or the work root lies inside a bound directory (a
+checkout under /usr) it is covered by an empty read-only tmpfs (:func:`secret_paths`), as is a cache inside a
+directory the caller binds. A tracekit cache or root (``$TRACEKIT_CACHE``, ``$TRACEKIT_ROOT``, the working
+directory's ``outputs``, a ``paths.cache_dir`` registered by the task generator: :func:`register_cache`) inside a
+directory bound for every command (/usr, the prefix: :func:`system_binds`), or a task cache (``coding_tasks``) met
+in any bound directory, is refused: :class:`CacheExposed`, one line naming the path and the bound directory.
+``hide`` (a task's package): every copy of it a bound directory holds (source trees, ``.dist-info``, wheels, files
+equal to its files) is covered too (:func:`tracekit.coding.runtime.scan`). Network: a fresh network namespace (no
 interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
 
 **Who runs it** (``isolation()["mode"]``): as root (``root``) the command runs as ``nobody``, owner of its copy
@@ -864,7 +872,9 @@ def isolation() -> dict[str, str]:
     return {
         "mode": mode(), "accounting": acc.name, "accounting_why": acc.why,
         "view": ("empty tmpfs root: read-only /usr, /lib*, loader files of /etc, the interpreter prefix(es) "
-                 f"{', '.join(interpreter_paths())}; writable: the task copy; fresh /proc, /tmp; nothing else"),
+                 f"{', '.join(interpreter_paths())} with the task runtime (pytest and its requirements) over their "
+                 "site directories, every copy of the task's package covered; writable: the task copy; fresh /proc, "
+                 "/tmp; nothing else"),
         "cpu": "RLIMIT_CPU", "wall": "deadline + SIGKILL of the PID namespace", **acc.describe(),
         "disk": ("the task copy is a tmpfs of its size + disk_bytes (per episode)" if root else
                  "watchdog: the writable paths' size polled, killed over the copy's size + disk_bytes"),
