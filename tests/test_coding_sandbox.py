@@ -266,6 +266,7 @@ def test_a_cache_under_a_bound_prefix_is_refused(make_cfg, monkeypatch, ws):
     """``paths.cache_dir=`` inside the interpreter's prefix (bound into every command): the coding target refuses
     before generating anything, in one line naming the cache and the prefix; so does every command while
     ``$TRACEKIT_CACHE`` names one there, or while a task cache left there by another run exists."""
+    from tracekit.artifacts import StageCache
     from tracekit.coding import runtime
     from tracekit.targets import target
 
@@ -293,6 +294,11 @@ def test_a_cache_under_a_bound_prefix_is_refused(make_cfg, monkeypatch, ws):
         with pytest.raises(sandbox.CacheExposed) as e:
             ws.run("true", LIMITS)
         assert _one_line(str(e.value)) and f"{cache}/coding_tasks lies inside {prefix}," in str(e.value)
+        shutil.rmtree(cache / "coding_tasks")
+        StageCache(cache).get_or_compute("rollouts", "k1", lambda d: (d / "trajectories.jsonl").write_text("{}\n"))
+        runtime._SCANS.clear()  # a stage artifact (trajectories hold gold patches) left there by another run
+        with pytest.raises(sandbox.CacheExposed, match=f"{cache}/rollouts/k1 lies inside {prefix},"):
+            ws.run("true", LIMITS)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
         runtime._SCANS.clear()

@@ -20,7 +20,8 @@ at least :data:`MIN_HASHED` bytes whose content equals one of the installed dist
 ``__pycache__``, metadata; smaller files say nothing: an empty ``__init__.py``).
 
 **Stray caches.** The same walk reports every ``coding_tasks`` directory (a task cache: gold patches, hidden tests,
-the pristine tree) it meets; the sandbox refuses to start a command while one lies in a bound directory.
+the pristine tree) and every stage artifact (a ``COMPLETE.json`` manifest of :mod:`tracekit.artifacts`) it meets;
+the sandbox refuses to start a command while one lies in a bound directory.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ RUNTIME_DISTS = ("pytest",)  # what a task's test run needs; their requirements 
 MIN_HASHED = 128  # a file this small equal to a hidden one is not masked (it tells nothing: blank __init__.py)
 SCAN_TTL_S = 600.0  # a bound tree is walked again after this long (a cache left there since is found)
 CACHE_DIR_NAMES = ("coding_tasks",)  # tracekit.coding.tasks.load_or_generate's cache directory
+ARTIFACT_MARKER = "COMPLETE.json"  # tracekit.artifacts.COMPLETE: a stage artifact (trajectories hold gold patches)
 
 
 def normalize(name: str) -> str:
@@ -357,6 +359,18 @@ def scan(src: str, prune: tuple[str, ...], fp: Fingerprint) -> Found:
     return found
 
 
+def _is_artifact(path: str, st: os.stat_result) -> bool:
+    """A tracekit stage artifact's manifest (``{"manifest": .., "files": {..}, ...}``), not any COMPLETE.json."""
+    if st.st_size > 16 << 20:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "manifest" in meta and isinstance(meta.get("files"), dict)
+
+
 def _scan(src: str, prune: set[str], fp: Fingerprint) -> Found:
     dirs, files, caches = [], [], []
     packages = dict(fp.packages)
@@ -402,7 +416,10 @@ def _scan(src: str, prune: set[str], fp: Fingerprint) -> Found:
                         dirs.append(e.path)
                         continue
                 stack.append(e.path)
-            elif stat.S_ISREG(est.st_mode) and not fp.empty():
-                check_file(e.path, e.name, est)
+            elif stat.S_ISREG(est.st_mode):
+                if e.name == ARTIFACT_MARKER and _is_artifact(e.path, est):
+                    caches.append(d)
+                if not fp.empty():
+                    check_file(e.path, e.name, est)
     rel = functools.partial(os.path.relpath, start=src)
     return Found(tuple(map(rel, dirs)), tuple(map(rel, files)), tuple(map(rel, caches)))

@@ -21,11 +21,11 @@ ones belong to the network namespace). Where the checkout, $HOME or the work roo
 checkout under /usr) it is covered by an empty read-only tmpfs (:func:`secret_paths`), as is a cache inside a
 directory the caller binds. A tracekit cache or root (``$TRACEKIT_CACHE``, ``$TRACEKIT_ROOT``, the working
 directory's ``outputs``, a ``paths.cache_dir`` registered by the task generator: :func:`register_cache`) inside a
-directory bound for every command (/usr, the prefix: :func:`system_binds`), or a task cache (``coding_tasks``) met
-in any bound directory, is refused: :class:`CacheExposed`, one line naming the path and the bound directory.
-``hide`` (a task's package): every copy of it a bound directory holds (source trees, ``.dist-info``, wheels, files
-equal to its files) is covered too (:func:`tracekit.coding.runtime.scan`). Network: a fresh network namespace (no
-interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
+directory bound for every command (/usr, the prefix: :func:`system_binds`), or a task cache (``coding_tasks``) or
+stage artifact met in any bound directory, is refused: :class:`CacheExposed`, one line naming the path and the
+bound directory. ``hide`` (a task's package): every copy of it a bound directory holds (source trees,
+``.dist-info``, wheels, files equal to its files) is covered too (:func:`tracekit.coding.runtime.scan`). Network: a
+fresh network namespace (no interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
 
 **Who runs it** (``isolation()["mode"]``): as root (``root``) the command runs as ``nobody``, owner of its copy
 only; otherwise (``userns``) the jail is built in a user namespace where the caller is root, and the command runs
@@ -594,7 +594,7 @@ def _scan_masks(mounts: list[dict], hide: tuple[str, ...], secrets: list[str]) -
         found = runtime.scan(src, tuple(sorted(prune)), fp)
         if found.caches:
             where = os.path.join(src, found.caches[0])
-            raise CacheExposed(f"coding sandbox: refused: a tracekit task cache {where} lies inside {src}, which the "
+            raise CacheExposed(f"coding sandbox: refused: a tracekit cache {where} lies inside {src}, which the "
                                "jail binds read-only into commands (an agent could read the gold patches and hidden "
                                f"tests there): move it outside {src}")
         for rel in found.dirs:
