@@ -60,6 +60,7 @@ RANGES: dict[str, str] = {
     "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
     "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
     "rollout.env_reply_timeout_s": "> 0",  # null: no timeout
+    "rollout.infra_retries": ">= 0",
     "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": PREFIX_CACHE_MIB,
     "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
     "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
