@@ -472,3 +472,51 @@ def test_an_endpoint_that_is_not_openai_is_reported_before_any_stage_computes(tm
         f"{srv.url}/models answered HTTP 500: upstream error; check the URL (it ends with the API root, e.g. "
         "http://host:8000/v1) and that the server is up"]
     assert not (tmp_path / "cache" / "rollout").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# -m: every sweep point validated before any job runs
+
+
+def _multirun(*args: str, root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tracekit", "-m", "experiment=smoke", *args], capture_output=True,
+                          text=True, timeout=120, cwd=root, env={**os.environ, "TRACEKIT_ROOT": str(root)})
+
+
+def test_a_bad_sweep_point_is_refused_in_one_line_before_job_0(tmp_path):
+    t0 = time.monotonic()
+    out = _multirun("logger=none", "moe.steps=2,0,3", root=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
+    assert _lines(out.stderr) == ["tracekit: config error: 1 of 3 sweep jobs would be refused, so none was started: "
+                                  "job #1 (moe.steps=0): moe.steps=0 is invalid: must be >= 1"]
+    assert "Launching" not in out.stdout + out.stderr and list(tmp_path.iterdir()) == []  # no job, no multirun dir
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_sweep_presets_points_are_validated_too_each_named(tmp_path):
+    """sweep=thresholds sweeps delta x rho (hydra.sweeper.params); the command line's delta replaces the preset's:
+    the three points with delta=1.5 are named, in one line."""
+    out = _multirun("sweep=thresholds", "logger=none", "thresholds.delta=0.1,1.5", root=tmp_path)
+    assert out.returncode == 2 and list(tmp_path.iterdir()) == []
+    [line] = _lines(out.stderr)
+    assert line.startswith("tracekit: config error: 3 of 6 sweep jobs would be refused, so none was started: job #3 "
+                           "(thresholds.delta=1.5 thresholds.rho=0.05): thresholds.delta=1.5 is invalid: must be in "
+                           "[0, 1]; job #4 (thresholds.delta=1.5 thresholds.rho=0.1): ")
+
+
+def test_valid_sweep_points_pass_the_check(tmp_path):
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from tracekit.cli import CONF_DIR, sweep_points, sweep_problems
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="tracekit"):
+        master = GlobalHydra.instance().hydra.compose_config(
+            "config", overrides=["sweep=consolidation", "experiment=smoke", "logger=none", "moe.steps=2,3",
+                                 f"paths.root_dir={tmp_path}"], run_mode=RunMode.MULTIRUN)
+        points = sweep_points(master)
+        assert len(points) == 18 and points[0][0] == "consolidation=moe moe.steps=2"
+        assert sweep_problems(master) == []
+    GlobalHydra.instance().clear()

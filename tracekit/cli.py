@@ -25,10 +25,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tracekit.artifacts import StageCache, atomic_write_text, unwritable
 from tracekit.config import USER_ERRORS, ConfigError, interpolation_message, register_configs
@@ -230,6 +232,69 @@ def app(cfg: DictConfig) -> None:
         sys.exit(interrupted(e, cfg.paths.run_dir))
     except Exception as e:
         sys.exit(report_failure(e, (cfg.paths.cache_dir, cfg.paths.run_dir)))
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def sweep_points(config: DictConfig) -> list[tuple[str, list[str]]]:
+    """Every job of a multirun as the basic sweeper will launch it: (the swept values, e.g. ``moe.steps=0``, the
+    job's overrides), from ``hydra.sweeper.params`` (a ``sweep=`` preset) and the command line, expanded by the
+    sweeper's own ``split_arguments``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(args)
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    return [(" ".join(o for o in point if o.split("=", 1)[0] in swept) or " ".join(point), point)
+            for point in BasicSweeper.split_arguments(parsed, None)[0]]
+
+
+def sweep_problems(config: DictConfig) -> list[str]:
+    """Each sweep job whose composed config would be refused: ``job #i (its swept values): why``; composed the way
+    the launcher composes it (``load_sweep_config``) and checked by :func:`validate`, before any job runs."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+    loader = GlobalHydra.instance().config_loader()
+    problems = []
+    for i, (label, point) in enumerate(sweep_points(config)):
+        try:
+            job = loader.load_sweep_config(config, list(point))
+            with open_dict(job):  # the job's config as the app gets it: without Hydra's own node
+                del job["hydra"]
+            validate(job)
+        except ConfigError as e:
+            why = str(e)
+        except InterpolationResolutionError as e:
+            why = interpolation_message(e)
+        except (HydraException, OmegaConfBaseException) as e:  # an override the composition refuses (a type)
+            cause = f" {e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
+            why = str(e) + cause
+        else:
+            continue
+        problems.append(f"job #{i} ({label}): {' '.join(why.split())}")
+    return problems
+
+
+class ValidateSweep(Callback):
+    """``-m``: every sweep point's composed config is validated before job #0 runs; a refused one ends the multirun
+    in one line naming it and its value (exit 2), nothing launched (registered in ``conf/config.yaml``)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+            log.info("sweep points are validated as each job starts (sweeper %s)",
+                     OmegaConf.select(config, "hydra.sweeper._target_"))
+            return
+        if problems := sweep_problems(config):
+            n = len(sweep_points(config))
+            print(f"tracekit: config error: {len(problems)} of {n} sweep jobs would be refused, so none was started: "
+                  + "; ".join(problems), file=sys.stderr)
+            sys.exit(2)
 
 
 # Hydra's flags that print and write nothing (no run dir)
