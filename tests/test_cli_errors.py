@@ -193,6 +193,12 @@ def test_an_empty_method_list_is_refused_before_any_work(tmp_path):
      "interpolation: \"Environment variable 'TRACEKIT_TEST_UNSET' not found\"; set analysis.temperature to a value"),
     ("~name", "hydra.run.dir: name is not in the config (an override like ~name removes it); give name a value, "
               "or set hydra.run.dir itself"),  # Hydra's own phase: the run dir's name
+    ("name=${oc.env:TRACEKIT_TEST_UNSET}",  # Hydra's own phase resolves the run dir's ${name}: the override is named
+     "name=${oc.env:TRACEKIT_TEST_UNSET} cannot be resolved: KeyError raised while resolving interpolation: "
+     "\"Environment variable 'TRACEKIT_TEST_UNSET' not found\"; set name to a value (the override is used by "
+     "hydra.run.dir)"),
+    ("name=${nope}", "name=${nope}: nope is not in the config (an override like ~nope removes it); give nope a value, "
+                     "or set name itself (the override is used by hydra.run.dir)"),
 ])
 def test_an_interpolation_that_cannot_be_resolved_is_one_line(tmp_path, override, message):
     out = _cli(override, root=tmp_path)
@@ -520,3 +526,80 @@ def test_valid_sweep_points_pass_the_check(tmp_path):
         assert len(points) == 18 and points[0][0] == "consolidation=moe moe.steps=2"
         assert sweep_problems(master) == []
     GlobalHydra.instance().clear()
+
+
+# --------------------------------------------------------------------------------------------
+# a signal while the app still imports; the first error is the one reported; a mistyped backbone name
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_is_one_line(tmp_path, sig):
+    """The app's imports take seconds: a signal in them ends the command in one line (130 / 143), nothing written."""
+    p = subprocess.Popen([sys.executable, "-m", "tracekit", "experiment=smoke"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "TRACEKIT_ROOT": str(tmp_path)})
+    try:
+        time.sleep(0.5)  # python is up, its imports are not done
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + sig and "Traceback" not in out + err, err
+    [line] = _lines(err)
+    assert line.startswith(f"tracekit: interrupted by {signal.Signals(sig).name}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_first_error_is_reported_when_the_summary_cannot_be_written_after_it(make_cfg, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """The whole root on a full disk: the artifact's write fails first (ENOSPC naming its file), then summary.md's.
+    The run raises the first; its one line names the artifact and then the summary's failure."""
+    import errno
+
+    import tracekit.cli as cli
+
+    artifact = tmp_path / "cache" / "rollout" / "k.partial" / "trajectories.jsonl"
+
+    class FullPipeline:
+        def to_compute(self, *a):
+            return []
+
+        def run(self, *a):
+            raise OSError(errno.ENOSPC, "No space left on device", str(artifact))
+
+    real = cli.atomic_write_text
+
+    def write(path, text):
+        if Path(path).name == "summary.md":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, text)
+
+    monkeypatch.setattr(cli, "build_pipeline", FullPipeline)
+    monkeypatch.setattr(cli, "atomic_write_text", write)
+    monkeypatch.setattr(cli, "_model_cache", lambda: None)
+    cfg = make_cfg("experiment=smoke")
+    with pytest.raises(OSError) as e:
+        cli.run(cfg)
+    assert e.value.filename == str(artifact)
+    assert cli.report_failure(e.value, (cfg.paths.cache_dir, cfg.paths.run_dir)) == 2
+    [line] = _lines(capsys.readouterr().err)
+    assert line.startswith(f"tracekit: error: No space left on device: {artifact}: free space there")
+    assert line.endswith(f"the unfinished one resumes (summary.md could not be written either: OSError: [Errno 28] No "
+                         f"space left on device: '{cfg.paths.run_dir}/summary.md')")
+
+    monkeypatch.setattr(cli, "atomic_write_text", real)  # the summary written after the first error says it
+    with pytest.raises(OSError):
+        cli.run(cfg)
+    assert "Status: failed (OSError: [Errno 28] No space left on device" in (Path(cfg.paths.run_dir) / "summary.md").read_text()
+
+
+def test_an_unknown_backbone_name_without_its_own_source_is_refused_listing_the_known_ones(make_cfg):
+    from tracekit.validate import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("experiment=smoke", "backbone.name=tinyy"))
+    assert str(e.value) == ("backbone.name='tinyy' is invalid: must be a known backbone (qwen3_1_7b, qwen3_30b_a3b, "
+                            "qwen3_6_27b, qwen3_8b, smollm2_135m, tiny; backbone=<name> picks one), or a custom one with "
+                            "its own source: backbone.source=hub and backbone.hf_id=<a hub model no known backbone names>")
+    with pytest.raises(ConfigError, match="backbone.name='qwen3_30b'"):  # a known model under a new name
+        validate(make_cfg("experiment=smoke", "backbone=qwen3_30b_a3b", "backbone.name=qwen3_30b"))
+    validate(make_cfg("experiment=smoke", "backbone.name=my_model", "backbone.source=hub", "backbone.hf_id=org/my-model"))
