@@ -593,13 +593,15 @@ def test_the_first_error_is_reported_when_the_summary_cannot_be_written_after_it
 
 
 def test_an_unknown_backbone_name_without_its_own_source_is_refused_listing_the_known_ones(make_cfg):
+    from tracekit.llm.backbones import BACKBONES
     from tracekit.validate import validate
 
     with pytest.raises(ConfigError) as e:
         validate(make_cfg("experiment=smoke", "backbone.name=tinyy"))
-    assert str(e.value) == ("backbone.name='tinyy' is invalid: must be a known backbone (qwen3_1_7b, qwen3_30b_a3b, "
-                            "qwen3_6_27b, qwen3_8b, smollm2_135m, tiny; backbone=<name> picks one), or a custom one with "
-                            "its own source: backbone.source=hub and backbone.hf_id=<a hub model no known backbone names>")
+    assert str(e.value) == (f"backbone.name='tinyy' is invalid: must be a known backbone ({', '.join(sorted(BACKBONES))}; "
+                            "backbone=<name> picks one), or a custom one with its own source: backbone.source=hub and "
+                            "backbone.hf_id=<a hub model no known backbone names>")
+    assert "smollm2_135m, tiny" in str(e.value)
     with pytest.raises(ConfigError, match="backbone.name='qwen3_30b'"):  # a known model under a new name
         validate(make_cfg("experiment=smoke", "backbone=qwen3_30b_a3b", "backbone.name=qwen3_30b"))
     validate(make_cfg("experiment=smoke", "backbone.name=my_model", "backbone.source=hub", "backbone.hf_id=org/my-model"))
