@@ -61,6 +61,7 @@ RANGES: dict[str, str] = {
     "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
     "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
     "rollout.env_reply_timeout_s": "> 0",  # null: no timeout
+    "rollout.infra_retries": ">= 0",
     "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": PREFIX_CACHE_MIB,
     "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
     "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
@@ -271,6 +272,18 @@ def probe_endpoints(cfg: DictConfig, roles: Iterable[str]) -> None:
             raise ConfigError(f"llm.endpoints.{role}: {e}") from None
 
 
+def _check_backbone_name(bb: DictConfig) -> None:
+    """``backbone.name`` names a registered backbone, or a custom one with its own source: ``backbone.source=hub``
+    and a ``backbone.hf_id`` that is no registered backbone's. Any other unknown name (a typo: ``tinyy``) would run
+    the group's model under a new name, so every stage would recompute for nothing: refused, listing the names."""
+    if bb.name in BACKBONES:
+        return
+    own_source = bb.source == "hub" and bool(bb.hf_id) and bb.hf_id not in {s.hf_id for s in BACKBONES.values()}
+    _check(own_source, "backbone.name", bb.name,
+           f"a known backbone ({', '.join(sorted(BACKBONES))}; backbone=<name> picks one), or a custom one with its own "
+           "source: backbone.source=hub and backbone.hf_id=<a hub model no known backbone names>")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every key against the schema, every value's range or choices and the cross-field rules; raise
     ConfigError (one line) on the first problem, a value whose interpolation cannot be resolved included."""
@@ -305,6 +318,7 @@ def _validate(cfg: DictConfig) -> None:
     if "rollout" in cfg:
         _check(valid_env_workers(cfg.rollout.env_workers), "rollout.env_workers", cfg.rollout.env_workers,
                "auto, 0 (in-process) or a positive integer (worker processes)")
+    _check_backbone_name(cfg.backbone)
     t = cfg.thresholds
     _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
     if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line

@@ -113,6 +113,8 @@ class CommandLimits:
 class JailUnavailable(RuntimeError):
     """The jail cannot be set up on this machine (one line naming what is missing); nothing ran."""
 
+    infra = True  # the sandbox's failure, not the agent's command's: tracekit.envs.base.infra_cause (retried)
+
 
 @dataclass
 class CommandResult:
