@@ -52,7 +52,7 @@ def measure_bands(backbone: dict[str, Any], seeds: int = 16, k: int = 8, device:
     out: dict[str, Any] = {}
     for cap, env in planted.envs().items():
         suite = LibraryTargetSuite("bands", [env], difficulty=planted.difficulty, n_per_env=seeds, seed_offset=0)
-        run_dir = (work or Path(cache_dir or ".") / "bands") / f"{spec.name}-{cap}"
+        run_dir = (work or Path("outputs/bands")) / f"{spec.name}-{planted.demos_weak}-{cap}"
         run_rollouts(suite, agent, run_dir, samples=k, seed=0, max_steps=max_steps, context_budget=512,
                      batch_size=256, progress=False)
         table: dict[str, list[tuple[float, bool]]] = {}
@@ -104,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     from tracekit.cli import compose_config
     from tracekit.wiring import backbone_dict
 
-    cfg = compose_config(list(a.overrides))
+    cfg = compose_config([*a.overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={(a.out / 'run').resolve()}"])
     base = backbone_dict(cfg)
     mixes = a.demos_weak or [int(cfg.backbone.planted.demos_weak)]
     rows: dict[str, Any] = {}
     for n in mixes:
         backbone = {**base, "planted": {**base["planted"], "demos_weak": n}}
-        rows[str(n)] = measure_bands(backbone, a.seeds, a.k, a.device, cfg.paths.cache_dir, a.out / "runs")
+        # cache_dir None: the warm start's own cache root (~/.cache/tracekit or $TRACEKIT_CACHE), as the app's
+        rows[str(n)] = measure_bands(backbone, a.seeds, a.k, a.device, None, a.out / "runs")
         a.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(a.out / "bands.json", rows)
         atomic_write_text(a.out / "bands.md", markdown(rows))
