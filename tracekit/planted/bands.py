@@ -28,7 +28,7 @@ from tracekit.agents import LLMAgent
 from tracekit.artifacts import atomic_write_json, atomic_write_text
 from tracekit.llm.backbones import get_spec, load_backbone
 from tracekit.llm.hf import HFChatClient
-from tracekit.planted.warmstart import PlantedSpec
+from tracekit.planted.warmstart import PlantedSpec, planted_key
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.synthesis.calibrate import group_stats
 from tracekit.synthesis.library_target import LibraryTargetSuite
@@ -42,17 +42,17 @@ STRONG_FLOOR = 0.8
 
 def measure_bands(backbone: dict[str, Any], seeds: int = 16, k: int = 8, device: str = "cpu",
                   cache_dir: str | Path | None = None, work: Path | None = None, max_steps: int = 8,
-                  max_new_tokens: int = 48) -> dict[str, Any]:
+                  max_new_tokens: int = 48, temperature: float = 1.0) -> dict[str, Any]:
     """{capability: {"role": weak|strong, "env", **group statistics}} of the warm-started ``backbone``."""
     spec = get_spec(backbone)
     planted = PlantedSpec.from_config(spec.planted)
     model, tokenizer = load_backbone(spec, device, None, cache_dir)
     client = HFChatClient(model, tokenizer, chat_format=spec.chat_format, max_batch_size=256, seed=0)
-    agent = LLMAgent(client, temperature=1.0, max_new_tokens=max_new_tokens)
+    agent = LLMAgent(client, temperature=temperature, max_new_tokens=max_new_tokens)
     out: dict[str, Any] = {}
     for cap, env in planted.envs().items():
         suite = LibraryTargetSuite("bands", [env], difficulty=planted.difficulty, n_per_env=seeds, seed_offset=0)
-        run_dir = (work or Path("outputs/bands")) / f"{spec.name}-{planted.demos_weak}-{cap}"
+        run_dir = (work or Path("outputs/bands")) / f"{spec.name}-{planted_key_of(spec)}-T{temperature}-{cap}"
         run_rollouts(suite, agent, run_dir, samples=k, seed=0, max_steps=max_steps, context_budget=512,
                      batch_size=256, progress=False)
         table: dict[str, list[tuple[float, bool]]] = {}
@@ -62,6 +62,10 @@ def measure_bands(backbone: dict[str, Any], seeds: int = 16, k: int = 8, device:
         out[cap] = {"role": "weak" if cap in planted.weak else "strong", "env": env, **stats}
         suite.close()
     return out
+
+
+def planted_key_of(spec: Any) -> str:
+    return planted_key(PlantedSpec.from_config(spec.planted), dataclasses.replace(spec, planted=None))
 
 
 def band_problems(bands: dict[str, Any]) -> list[str]:
@@ -79,7 +83,7 @@ def band_problems(bands: dict[str, Any]) -> list[str]:
 
 
 def markdown(rows: dict[str, dict[str, Any]]) -> str:
-    lines = ["| demos_weak | capability | role | success | mean reward | informative groups | all-zero groups | "
+    lines = ["| warm start | capability | role | success | mean reward | informative groups | all-zero groups | "
              "pass@8 | in band |", "|---|---|---|---|---|---|---|---|---|"]
     for mix, bands in rows.items():
         for cap, b in bands.items():
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tracekit.planted.bands", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs/bands"))
     p.add_argument("--demos-weak", type=int, nargs="*", default=[], help="demonstration counts to measure")
+    p.add_argument("--epochs", type=int, nargs="*", default=[], help="warm-start SFT epochs to measure")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: grpo.temperature)")
     p.add_argument("--seeds", type=int, default=16)
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--device", default="cpu")
@@ -106,17 +112,20 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = compose_config([*a.overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={(a.out / 'run').resolve()}"])
     base = backbone_dict(cfg)
-    mixes = a.demos_weak or [int(cfg.backbone.planted.demos_weak)]
+    temperature = float(cfg.grpo.temperature if a.temperature is None else a.temperature)
+    planted = base["planted"]
     rows: dict[str, Any] = {}
-    for n in mixes:
-        backbone = {**base, "planted": {**base["planted"], "demos_weak": n}}
-        # cache_dir None: the warm start's own cache root (~/.cache/tracekit or $TRACEKIT_CACHE), as the app's
-        rows[str(n)] = measure_bands(backbone, a.seeds, a.k, a.device, None, a.out / "runs")
+    for n in a.demos_weak or [int(planted["demos_weak"])]:
+        for epochs in a.epochs or [int(planted["sft"]["epochs"])]:
+            backbone = {**base, "planted": {**planted, "demos_weak": n, "sft": {**planted["sft"], "epochs": epochs}}}
+            # cache_dir None: the warm start's own cache root (~/.cache/tracekit or $TRACEKIT_CACHE), as the app's
+            rows[f"{n} demos, {epochs} epochs, T={temperature}"] = measure_bands(
+                backbone, a.seeds, a.k, a.device, None, a.out / "runs", temperature=temperature)
         a.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(a.out / "bands.json", rows)
         atomic_write_text(a.out / "bands.md", markdown(rows))
     print(markdown(rows))
-    problems = [f"demos_weak={n}: {p}" for n, bands in rows.items() for p in band_problems(bands)]
+    problems = [f"{n}: {p}" for n, bands in rows.items() for p in band_problems(bands)]
     if a.check and problems:
         print(f"tracekit.planted.bands: the calibration bands are not reached: {'; '.join(problems)}", file=sys.stderr)
         return 2
