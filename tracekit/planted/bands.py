@@ -26,12 +26,14 @@ from typing import Any
 
 from tracekit.agents import LLMAgent
 from tracekit.artifacts import atomic_write_json, atomic_write_text
+from tracekit.cli import compose_config
 from tracekit.llm.backbones import get_spec, load_backbone
 from tracekit.llm.hf import HFChatClient
 from tracekit.planted.warmstart import PlantedSpec, planted_key
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.synthesis.calibrate import group_stats
 from tracekit.synthesis.library_target import LibraryTargetSuite
+from tracekit.wiring import backbone_dict
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=micro)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
-    from tracekit.cli import compose_config
-    from tracekit.wiring import backbone_dict
-
     cfg = compose_config([*a.overrides, f"paths.root_dir={Path.cwd()}", f"paths.run_dir={(a.out / 'run').resolve()}"])
     base = backbone_dict(cfg)
     temperature = float(cfg.grpo.temperature if a.temperature is None else a.temperature)
