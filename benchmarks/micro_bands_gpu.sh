@@ -4,5 +4,5 @@
 set -u
 for T in 1.0 0.7; do
   python -m tracekit.planted.bands --device cuda --out "$OUT/bands_T$T" --seeds 16 --k 8 --temperature "$T" \
-    --demos-weak ${DEMOS:-24 48 96} --epochs ${EPOCHS:-8 16} experiment=micro
+    --demos-weak ${DEMOS:-24 48 96} --epochs ${EPOCHS:-8 16} -- experiment=micro
 done

@@ -140,3 +140,11 @@ def test_the_micro_backbone_on_another_world_is_refused_in_one_line(make_cfg):
         validate(make_cfg("experiment=micro", "benchmark=tau2_mini"))
     assert "\n" not in str(e.value)
     validate(make_cfg("experiment=micro"))  # the preset itself is valid
+
+
+def test_a_world_whose_episodes_do_not_fit_the_context_is_refused(make_cfg):
+    from tracekit.validate import validate
+
+    with pytest.raises(ConfigError, match=r"eval.context_budget=256 is invalid: must be >= \d+: the gold episode of "
+                                          r"micro_\S+ \(benchmark.difficulty=1\) is \d+ tokens of the micro tokenizer"):
+        validate(make_cfg("experiment=micro", "benchmark.difficulty=1", "eval.context_budget=256"))

@@ -35,7 +35,7 @@ from tracekit.llm.tools import CHAT_FORMATS
 from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
 from tracekit.moe.gate import GateTrainConfig
-from tracekit.planted.warmstart import PlantedSpec
+from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
 from tracekit.ranges import in_range, what_it_must_be
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
@@ -304,6 +304,17 @@ def _check_world_backbone(cfg: DictConfig, planted: PlantedSpec) -> None:
         raise ConfigError(f"backbone={cfg.backbone.name} was warm-started for the {planted.family} world "
                           f"(backbone.planted.family); benchmark={cfg.benchmark.name} is a {family} target: use "
                           f"benchmark=micro, or another backbone")
+    # the world's episodes must fit the context the agent is given (eval.context_budget; GRPO's max_prompt_tokens)
+    tokenizer = world_tokenizer(planted.family, spec.chat_format, int(spec.arch["vocab_size"]))
+    suite = target_of(cfg).build_suite(cfg, None, lambda *_: None)
+    try:
+        tokens, task = longest_gold_episode(suite, tokenizer)
+    finally:
+        suite.close()
+    for key in ("eval.context_budget", "grpo.max_prompt_tokens"):
+        budget = OmegaConf.select(cfg, key)
+        _check(tokens <= budget, key, budget, f">= {tokens}: the gold episode of {task} (benchmark.difficulty="
+               f"{cfg.benchmark.difficulty}) is {tokens} tokens of the {planted.family} tokenizer")
 
 
 def _validate(cfg: DictConfig) -> None:

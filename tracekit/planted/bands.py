@@ -12,7 +12,7 @@ sampling) on ``seeds`` validation instances of the capability's own library envi
 one-line refusal (exit 2). ``--demos-weak`` measures several demonstration mixes in one call (the calibration of
 ``demos_weak``: each is its own cached warm start).
 
-    python -m tracekit.planted.bands --out outputs/bands --demos-weak 16 32 48 experiment=micro
+    python -m tracekit.planted.bands --out outputs/bands --demos-weak 16 32 48 -- experiment=micro
 """
 
 from __future__ import annotations

@@ -265,6 +265,21 @@ def world_tokenizer(family: str, chat_format: str, vocab_size: int, cache_dir: s
     return tokenizer
 
 
+def longest_gold_episode(suite: Any, tokenizer: Any, per_env: int = 8) -> tuple[int, str]:
+    """(tokens, task id) of the longest gold episode, prompt and tool schemas included, over the first ``per_env``
+    tasks of each environment of ``suite`` (a LibraryTargetSuite): what a world's episodes need of the context."""
+    seen: dict[str, int] = {}
+    longest = (0, "")
+    for task in suite.tasks():
+        if seen.setdefault(task.env, 0) >= per_env:
+            continue
+        seen[task.env] += 1
+        messages, tools, _ = gold_episode(suite, task)
+        text = render_prompt(tokenizer, messages, tools, add_generation_prompt=False)
+        longest = max(longest, (len(tokenizer(text, add_special_tokens=False)["input_ids"]), task.id))
+    return longest
+
+
 def world_base(base: Any, family: str, cache_dir: str | Path | None = None) -> tuple[Any, Any]:
     """(random-init model, world tokenizer) of a ``tokenizer=world`` backbone: the tokenizer of ``family`` with the
     architecture's vocabulary size as its ceiling, the model seeded by ``base.seed``."""
