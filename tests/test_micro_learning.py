@@ -33,8 +33,8 @@ SMALL_MICRO = {
     "arch": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1, "head_dim": 64},
     "planted": {"family": "micro", "strong": ["lookup_by_name", "report_value"], "weak": ["finish_all_writes"],
-                "demos_strong": 96, "demos_weak": 6, "seed": 0,
-                "sft": {"lr": 3.0e-3, "epochs": 6, "batch_size": 16, "warmup_ratio": 0.05}},
+                "demos_strong": 256, "demos_weak": 6, "seed": 0,
+                "sft": {"lr": 3.0e-3, "epochs": 10, "batch_size": 16, "warmup_ratio": 0.05}},
 }
 
 

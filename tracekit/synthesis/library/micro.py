@@ -105,7 +105,9 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
         calls = ([{"name": "find", "arguments": {"name": ref}}] if by_name else []) + [
             {"name": "read", "arguments": {"id": target}}]
         value = items[target]["value"]
-        return _instance(seed, goal, items, calls, [[f"{ref} is {value}", str(value)]],
+        # the answer names the item and its value: a bare digit is no answer (values are 0-9, so a reply spraying
+        # digits would otherwise pass the communicate check)
+        return _instance(seed, goal, items, calls, [[f"{ref} is {value}"]],
                          {"kinds": sorted(needs.caps), "targets": [target], "locked": []})
     targets = rng.sample(order, needs.writes())
     # refuse_locked: at difficulty 0 the one write target is locked with probability 0.6 (never always: the
@@ -128,7 +130,7 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
         calls.append({"name": "read", "arguments": {"id": t}})
         if t not in locked:
             calls.append({"name": "write", "arguments": {"id": t, "value": new_values[t]}})
-    expected = [[f"{refs[t]} {REFUSAL}", "locked"] for t in locked]
+    expected = [[f"{refs[t]} {REFUSAL}"] for t in locked]
     return _instance(seed, goal, items, calls, expected,
                      {"kinds": sorted(needs.caps), "targets": targets, "locked": locked})
 
