@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.openai_stub import StubOpenAIServer
 from tracekit.artifacts import COMPLETE
 from tracekit.config import ConfigError
@@ -22,8 +23,8 @@ from tracekit.validate import _stage_names, needed_endpoints, probe_endpoints
 
 
 def _cli(*args: str, root: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", *args], capture_output=True,
-                          text=True, timeout=120, cwd=root, env={**os.environ, "TRACEKIT_ROOT": str(root), **env})
+    return procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", *args], capture_output=True,
+                     text=True, timeout=120, cwd=root, env={**os.environ, "TRACEKIT_ROOT": str(root), **env})
 
 
 def _lines(text: str) -> list[str]:
@@ -210,7 +211,7 @@ def _mount_ns() -> list[str]:
     too); skips where the machine allows neither."""
     cmd = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
     try:
-        ok = subprocess.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0
+        ok = procs.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         ok = False
     if not ok:
@@ -228,8 +229,8 @@ def _full(d: Path) -> str:
 
 def _cli_in(setup: str, *args: str, root: Path, **env: str) -> subprocess.CompletedProcess:
     """:func:`_cli` after the shell commands ``setup`` (mounts) in a private mount namespace."""
-    return subprocess.run([*_mount_ns(), "sh", "-c", f'{setup} && exec "$@"', "sh", sys.executable, "-m", "tracekit",
-                           "experiment=smoke", "logger=none", *args], capture_output=True, text=True, timeout=120,
+    return procs.run([*_mount_ns(), "sh", "-c", f'{setup} && exec "$@"', "sh", sys.executable, "-m", "tracekit",
+                      "experiment=smoke", "logger=none", *args], capture_output=True, text=True, timeout=120,
                           cwd=root.parent, env={**os.environ, "TRACEKIT_ROOT": str(root), **env})
 
 
@@ -256,8 +257,8 @@ def test_a_read_only_root_is_one_line_naming_the_cache_it_can_still_serve(tmp_pa
     root = tmp_path / "root"
     (root / "outputs" / "cache" if holding == "a cache" else root).mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "TRACEKIT_CACHE"}
-    out = subprocess.run([*_mount_ns(), "sh", "-c", f'{_read_only(root)} && exec "$@"', "sh", sys.executable, "-m",
-                          "tracekit", "experiment=smoke"], capture_output=True, text=True, timeout=120,
+    out = procs.run([*_mount_ns(), "sh", "-c", f'{_read_only(root)} && exec "$@"', "sh", sys.executable, "-m",
+                     "tracekit", "experiment=smoke"], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env={**env, "TRACEKIT_ROOT": str(root)})
     reuse = (f" (its cache can still serve a run that is all cache hits, read-only: "
              f"TRACEKIT_CACHE={root}/outputs/cache)" if holding == "a cache" else "")
@@ -376,21 +377,32 @@ def test_a_disk_that_fills_during_the_run_is_one_line_naming_where(tmp_path, cap
 # SIGINT and SIGTERM: one line, the summary says interrupted, the unfinished artifact resumes
 
 
+@pytest.mark.timeout(900)  # a child that never reaches the stage fails the test rather than hanging the suite
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_the_run_in_one_line_with_the_summary_interrupted(tmp_path, sig):
     from filelock import FileLock
 
-    p = subprocess.Popen([sys.executable, "-m", "tracekit", "experiment=smoke", "logger=none", "stages=[rollout]"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                         env={**os.environ, "TRACEKIT_ROOT": str(tmp_path)})
-    try:
-        for line in p.stdout:
-            if "stage rollout: computing" in line:  # the model loads next: the run is mid-stage
-                p.send_signal(sig)
-                break
-        _, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
+    # procs.popen: the child starts with SIGINT at its default action (pytest run by a script in the background
+    # inherits it ignored, and the CLI keeps an ignored SIGINT ignored: the run would exit 0) and no stdin; stderr
+    # goes to a file, so that a chatty child cannot fill a pipe nobody reads while the test waits on stdout
+    with open(tmp_path / "stderr.txt", "w+") as err_file:
+        p = procs.popen([sys.executable, "-m", "tracekit", "experiment=smoke", "logger=none", "stages=[rollout]"],
+                        stdout=subprocess.PIPE, stderr=err_file, text=True, cwd=tmp_path,
+                        env={**os.environ, "TRACEKIT_ROOT": str(tmp_path)})
+        try:
+            sent = False
+            for line in p.stdout:
+                if "stage rollout: computing" in line:  # the model loads next: the run is mid-stage
+                    p.send_signal(sig)
+                    sent = True
+                    break
+            p.communicate(timeout=600)
+        finally:
+            p.kill()
+            p.wait()
+        err_file.seek(0)
+        err = err_file.read()
+    assert sent, f"the run ended (exit {p.returncode}) before its rollout stage started: {err[-3000:]}"
     name = signal.Signals(sig).name
     [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
     assert p.returncode == 128 + sig and "Traceback" not in err

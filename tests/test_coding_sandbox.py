@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tracekit.coding import sandbox
 from tracekit.coding.repo import MAX_TREE_BYTES, Workspace, read_tree
 
@@ -70,7 +71,7 @@ def _python(exe: str, code: str, *args: str, user: int | None = None, drop_cap: 
         argv = ["setpriv", "--inh-caps=-all", f"--bounding-set=-{drop_cap}", *argv]
     full_env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/root"),
                 "LC_ALL": "C.UTF-8", **(env or {})}
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    return procs.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
 # ---------------------------------------------------------------- what a command sees
@@ -239,7 +240,7 @@ def test_sleep_forever_is_killed_at_the_wall_limit_with_its_background_children(
     r = ws.run("sleep 1000 & setsid sleep 1000 & sleep 1000", LIMITS)
     assert r.returncode is None and "wall_time" in r.events and r.wall_s < LIMITS.wall_seconds + 2
     assert ws.run("echo alive", LIMITS).output.strip() == "alive"
-    left = subprocess.run(["pgrep", "-f", "sleep 1000"], capture_output=True, text=True).stdout.split()
+    left = procs.run(["pgrep", "-f", "sleep 1000"], capture_output=True, text=True).stdout.split()
     assert not left
 
 
@@ -428,8 +429,8 @@ def test_the_jail_runs_with_a_venv_under_tmp_or_home(where):
     venv = Path(tempfile.mkdtemp(prefix="tracekit-venv-", dir=base))
     os.chmod(venv, 0o755)  # as `python -m venv` makes it
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                       check=True, timeout=60)
+        procs.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                  check=True, timeout=60)
         out = _venv_check(str(venv / "bin" / "python"))
         assert out["rc"] == 0 and out["prefix"] == str(venv), out  # the command's python is the venv's
         assert out["tests"] == {"tests/test_f.py::test_f": "passed"}, out["out"]
@@ -439,9 +440,9 @@ def test_the_jail_runs_with_a_venv_under_tmp_or_home(where):
 
 @pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
 def test_the_jail_runs_with_the_system_python():
-    out = _venv_check(SYSTEM_PYTHON, pytest_too=subprocess.run([SYSTEM_PYTHON, "-c", "import pytest"],
-                                                                capture_output=True).returncode == 0)
-    assert out["rc"] == 0 and out["prefix"] == subprocess.run(
+    out = _venv_check(SYSTEM_PYTHON, pytest_too=procs.run([SYSTEM_PYTHON, "-c", "import pytest"],
+                                                           capture_output=True).returncode == 0)
+    assert out["rc"] == 0 and out["prefix"] == procs.run(
         [SYSTEM_PYTHON, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True).stdout.strip()
     assert out["tests"] in (None, {"tests/test_f.py::test_f": "passed"}), out["out"]
 
@@ -595,7 +596,7 @@ def test_a_forced_accounting_runs_or_is_refused_in_one_line(monkeypatch):
 
 @needs_root
 def test_a_copy_left_mounted_by_a_dead_process_is_swept():
-    dead = subprocess.Popen(["true"])
+    dead = procs.popen(["true"])
     dead.wait()
     stale = sandbox.work_root() / f"ep-{dead.pid}-stale"
     (stale / "repo").mkdir(parents=True)

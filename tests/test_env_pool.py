@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests import procs
 from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
 from tracekit.envs.pool import EnvPool, PooledSuite, SuiteSpec, pooled, resolve_workers
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
@@ -309,14 +310,13 @@ import torch  # noqa: E402
 
 def _cli_rollout(root, cache, *overrides):
     import json
-    import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRACEKIT_ROOT": str(root), "TRACEKIT_CACHE": str(cache), "WANDB_MODE": "offline"}
     before = set((root / "outputs" / "runs").glob("*")) if (root / "outputs" / "runs").exists() else set()
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", "stages=[rollout]", "agent.kind=gold",
-                          "logger=none", *overrides], cwd=repo, env=env, capture_output=True, text=True, timeout=280)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", "stages=[rollout]", "agent.kind=gold",
+                     "logger=none", *overrides], cwd=repo, env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = set((root / "outputs" / "runs").glob("*")) - before
     return json.loads((run_dir / "artifacts.json").read_text()), out.stdout + out.stderr

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import procs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -16,8 +18,8 @@ def _run(tmp_path: Path, *overrides: str, cache: str = "cache") -> tuple[subproc
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / cache),
            "WANDB_MODE": "offline"}
     before = set((tmp_path / "outputs" / "runs").glob("*")) if (tmp_path / "outputs" / "runs").exists() else set()
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
+                    capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = set((tmp_path / "outputs" / "runs").glob("*")) - before
     return out, json.loads((run_dir / "artifacts.json").read_text())
@@ -57,8 +59,8 @@ def test_smoke_pipeline_runs_then_hits_the_cache(tmp_path):
     data = (episodes / "trajectories.jsonl").read_bytes()
     (episodes / "trajectories.jsonl").write_bytes(data[: len(data) // 2])
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "moved")}
-    bad = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    bad = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke"], cwd=ROOT, env=env,
+                    capture_output=True, text=True, timeout=300)
     lines = [line for line in bad.stderr.splitlines() if line.startswith("tracekit:")]
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-2000:]
     assert f"artifact episodes/{episodes.name} is corrupt: trajectories.jsonl has" in lines[0] and "rm -r" in lines[0]
@@ -72,9 +74,9 @@ def test_threshold_sweep_multirun_from_a_plain_working_directory(tmp_path):
     # no TRACEKIT_ROOT: the sweep dir must resolve before Hydra's runtime config exists
     env = {k: v for k, v in os.environ.items() if k != "TRACEKIT_ROOT"}
     env.update(TRACEKIT_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
-    out = subprocess.run([sys.executable, "-m", "tracekit", "-m", "sweep=thresholds", "experiment=smoke", "logger=none",
-                          "thresholds.delta=0.1,0.3", "thresholds.rho=0.1"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = procs.run([sys.executable, "-m", "tracekit", "-m", "sweep=thresholds", "experiment=smoke", "logger=none",
+                     "thresholds.delta=0.1,0.3", "thresholds.rho=0.1"], cwd=tmp_path, env=env,
+                    capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Launching 2 jobs" in out.stdout + out.stderr
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*_sweep_thresholds")
@@ -86,8 +88,8 @@ def test_consolidation_sweep_gives_one_table_with_a_row_per_strategy(tmp_path):
     from tracekit.methods.consolidate import STRATEGIES
 
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"}
-    out = subprocess.run([sys.executable, "-m", "tracekit", "-m", "sweep=consolidation", "experiment=smoke"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=1200)
+    out = procs.run([sys.executable, "-m", "tracekit", "-m", "sweep=consolidation", "experiment=smoke"], cwd=ROOT,
+                    env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*_sweep_consolidation")
     rows = json.loads((sweep_dir / "results.json").read_text())

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from tests import procs
 from tracekit.validate import validate
 from tracekit.reproduce.paper import cuts, setting_line
 
@@ -25,8 +26,8 @@ STAGE_GROUPS = ("benchmark", "backbone", "agent", "user", "thresholds", "analysi
 
 def _cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRACEKIT_ROOT": str(cwd), "TRACEKIT_CACHE": str(cwd / "cache"), "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=env)
+    return procs.run([sys.executable, "-m", "tracekit", *args], capture_output=True, text=True, timeout=timeout,
+                     cwd=ROOT, env=env)
 
 
 def assert_papers_values(c) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import procs
 from tracekit.reproduce import render
 from tracekit.reproduce.spec import (COLUMNS, find_spec, load_spec, merge_overrides, plan, spec_paths)
 
@@ -191,8 +192,8 @@ def test_a_wandb_failure_never_loses_the_table_files(tmp_path, monkeypatch, caps
 def _reproduce_cli(tmp_path: Path, spec: Path, out: Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
            "WANDB_MODE": "offline"}
-    return subprocess.Popen([sys.executable, "-m", "tracekit.reproduce", str(spec), "--out", str(out), "logger=none"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return procs.popen([sys.executable, "-m", "tracekit.reproduce", str(spec), "--out", str(out), "logger=none"],
+                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def test_a_killed_table_run_rerun_reuses_the_completed_row(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxError, SandboxLimits, isolation
 from tracekit.synthesis.validate import ValidationConfig, validate_source
 
@@ -44,7 +45,7 @@ HOSTILE = {
     "huge_allocation": (hooked("module", "_blob = bytearray(64 << 30)"), LIMITS, "load", "memory limit (1024 MiB)"),
     "write_outside": (hooked("generate", f"try:\n    open({ESCAPE!r}, 'w').write('x')\nexcept Exception:\n    pass"),
                       LIMITS, "deterministic", f"writing outside its directory: {ESCAPE}"),
-    "spawn_process": (hooked("generate", "import subprocess\nsubprocess.run(['true'])"), LIMITS, "deterministic",
+    "spawn_process": (hooked("generate", "import subprocess\nprocs.run(['true'])"), LIMITS, "deterministic",
                       "starting a process (subprocess.Popen)"),
     "network": (hooked("module", "import socket\nsocket.create_connection(('203.0.113.1', 80), timeout=1)"), LIMITS,
                 "load", "network access (socket.connect)"),
@@ -156,7 +157,6 @@ def test_ground_truth_using_a_hidden_tool_is_named():
 def test_what_generated_environments_import_loads_no_native_library():
     """A generated environment imports the protocol and the target interfaces inside the sandbox, whose hook
     refuses native library loading (tests above): those modules stay plain Python (no torch, no ctypes)."""
-    import subprocess
     import sys
 
     code = ("import sys\nloaded = []\nsys.addaudithook(lambda e, a: loaded.append(a[0]) if e == 'ctypes.dlopen' else None)\n"
@@ -164,5 +164,5 @@ def test_what_generated_environments_import_loads_no_native_library():
             "from tracekit.synthesis.targets import target_policy, tool_schemas\n"
             "tool_schemas('toolsandbox', ['get_current_timestamp']), target_policy('coding')\n"
             "assert not loaded and 'torch' not in sys.modules, (loaded, 'torch' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
