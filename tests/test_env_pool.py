@@ -196,16 +196,18 @@ def test_a_hung_worker_is_killed_and_ends_only_its_episodes(tmp_path):
 
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16, return_tokens=True)
     t0 = time.monotonic()
-    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6,)), 2, reply_timeout=2.0) as pool:
+    # 10 s: a healthy worker answers a stub step in milliseconds, but on a loaded machine a short timeout could take
+    # a slow healthy reply for a hang (the test waits this long once, for the hung worker)
+    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6,)), 2, reply_timeout=10.0) as pool:
         first = pool.workers[0]
         s = run_rollouts(PooledSuite(HangingSuite(6), pool), agent, tmp_path, max_steps=5, batch_size=4,
                          progress=False)
         assert not first.proc.is_alive() and pool.workers[0] is not first and pool.workers[0].proc.is_alive()
-    assert time.monotonic() - t0 < 60  # the timeout, not the hour's sleep
+    assert time.monotonic() - t0 < 600  # the timeout, not the hour's sleep (worker start-ups may be slow when loaded)
     trajs = {t.task_id: t for t in read_trajectories(tmp_path)}
     assert len(trajs) == 6 and s.errors == 2  # t0 (hangs) and t2 (its worker's other episode)
     for tid in ("t0", "t2"):
-        assert "WorkerDied: env worker 0" in trajs[tid].error and "sent no reply in 2 s (hung)" in trajs[tid].error
+        assert "WorkerDied: env worker 0" in trajs[tid].error and "sent no reply in 10 s (hung)" in trajs[tid].error
         assert "last stderr line: waiting on a lock that never frees" in trajs[tid].error
     assert all(trajs[t].reward == 1.0 and trajs[t].error is None for t in ("t1", "t3", "t4", "t5"))
 
@@ -400,7 +402,9 @@ def test_steps_run_in_parallel_and_scoring_overlaps_the_decode(tmp_path):
     with EnvPool(SuiteSpec("tests.test_env_pool:slow_suite", (6,)), 3) as pool:
         pooled_s = run(PooledSuite(SlowSuite(6), pool), tmp_path / "pooled")
     print(f"serial {serial:.2f} s, pooled {pooled_s:.2f} s")
-    assert serial > 7.0 and pooled_s < 0.7 * serial, (serial, pooled_s)
+    # the sleeps alone take 7.5 s serially and about 3.3 s pooled (4.2 s saved: 8.5 s vs 4.9 s measured at load 6 on
+    # 2 cores); load adds overhead to both, and more to the pooled run's messages: ask for a third of the saving
+    assert serial > 7.0 and serial - pooled_s > 1.5, (serial, pooled_s)
     assert [_view(t) for t in read_trajectories(tmp_path / "serial")] == [
         _view(t) for t in read_trajectories(tmp_path / "pooled")]
 
