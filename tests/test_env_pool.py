@@ -421,6 +421,9 @@ def test_the_benchmark_writes_its_json_atomically(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["out.json"]  # no temporary left behind
 
 
+# slow (~45 s: two pools importing tau2, four rollouts): the benchmark's own harness; the same pooled-vs-in-process
+# gold rollouts on real tau2 are test_real_tau2_retail_gold_agent_is_identical_with_and_without_workers (fast)
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tau2") is None, reason="the tau2 package is not installed")
 def test_the_benchmark_gold_section(tmp_path):
     from types import SimpleNamespace
