@@ -15,6 +15,11 @@ which two runs of one config never share:
 - Markdown: the lines matching :data:`TIMING_LINE` (a synthesized environment's ``validation.md``: ``- time: 0.2s``);
 - in ``COMPLETE.json``'s manifest, the ``bytes`` and ``sha256`` of a file that held such fields.
 
+Besides timing, one record of a run's own history differs by design: a rollout's ``episodes/<key>/summary.json``
+says how this process got its episodes (:data:`EPISODE_HISTORY_KEYS`: ``resumed`` from the killed run's file,
+``ran`` itself, and ``prefix_cache``, its decoder's prefill counts, empty when it decoded nothing). Those are
+checked for consistency (``resumed + ran == total``, and something resumed in the resumed cache), not compared.
+
 Anything else that differs fails. Both runs get ``PYTHONHASHSEED=0``: PEFT stores ``target_modules`` as a set and
 writes it to ``adapter_config.json`` in the set's order, which follows the interpreter's string-hash seed, so two
 processes with random seeds write that list in different orders (a run-to-run difference, not the kill's).
@@ -42,6 +47,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMING_KEYS = frozenset({"seconds", "finished"})
 TIMING_COLUMNS = frozenset({"time_rollout_s", "time_update_s", "time_total_s"})
 TIMING_LINE = re.compile(r"^- time: [0-9.]+s$", re.M)
+EPISODE_HISTORY_KEYS = frozenset({"resumed", "ran", "prefix_cache"})  # top level of episodes/<key>/summary.json
+
+
+def _is_episode_summary(path: Path) -> bool:
+    return path.name == "summary.json" and path.parent.parent.name == "episodes"
 
 
 def _smoke(root: Path, log: Path) -> subprocess.Popen:
@@ -86,6 +96,8 @@ def _normalized(path: Path) -> tuple[object, bool]:
     else:
         return raw, False
     dropped = _drop_timing(data)
+    if _is_episode_summary(path):
+        dropped = {k: v for k, v in dropped.items() if k not in EPISODE_HISTORY_KEYS}
     return dropped, dropped != data
 
 
@@ -105,10 +117,23 @@ def cache_view(cache: Path) -> dict[str, object]:
     return view
 
 
+def _where(a, b, at: str = "") -> str:
+    """The first place two normalized contents differ, with both values (short)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(a.keys() | b.keys()):
+            if a.get(k, "<absent>") != b.get(k, "<absent>"):
+                return _where(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{at}.{k}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _where(x, y, f"{at}[{i}]")
+    return f"{at or '(whole file)'}: {str(a)[:200]!r} vs {str(b)[:200]!r}"
+
+
 def _diff(a: dict[str, object], b: dict[str, object]) -> list[str]:
     out = [f"only in the uninterrupted cache: {k}" for k in sorted(a.keys() - b.keys())]
     out += [f"only in the resumed cache: {k}" for k in sorted(b.keys() - a.keys())]
-    out += [f"differs: {k}" for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    out += [f"differs: {k} at {_where(a[k], b[k])}" for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
     return out
 
 
@@ -124,12 +149,12 @@ PROGRESS = {"episodes": "trajectories.jsonl", "adapters": "checkpoints/latest.js
 
 
 def _in_progress(stage_dir: Path, stage: str) -> Path | None:
-    """A ``.partial`` work dir of the stage holding its progress file, not empty (the stage is mid-way), else None."""
+    """A ``.partial`` work dir of the stage whose progress file holds a whole line (the stage is mid-way), else None."""
     if not stage_dir.is_dir():
         return None
     for work in stage_dir.glob("*.partial"):
         done = work / PROGRESS[stage]
-        if done.is_file() and done.stat().st_size > 0:
+        if done.is_file() and b"\n" in done.read_bytes():  # a whole line (JSONL) or a written file, not a torn one
             return work
     return None
 
@@ -152,5 +177,9 @@ def test_a_run_killed_mid_stage_resumes_to_the_uninterrupted_cache(tmp_path, uni
 
     _finish(tmp_path, log)  # the same command again: resumes the partial stage, computes the rest
     assert not list(cache.rglob("*.partial")), "the resumed run left a partial work dir"
+    summaries = [json.loads(p.read_text()) for p in cache.glob("episodes/*/summary.json")]
+    assert summaries and all(s["resumed"] + s["ran"] == s["total"] for s in summaries), summaries
+    if stage == "episodes":  # the killed rollout's episodes were taken over, not run again
+        assert any(s["resumed"] > 0 for s in summaries), summaries
     problems = _diff(uninterrupted, cache_view(cache))
     assert not problems, "\n".join(problems[:40])
