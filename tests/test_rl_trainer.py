@@ -215,9 +215,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     procs.run([sys.executable, str(script), str(tmp_path / "full")], check=True, env=env, capture_output=True)
     p = procs.popen([sys.executable, str(script), str(tmp_path / "cut")], env=env, stderr=subprocess.DEVNULL)
     latest = tmp_path / "cut" / "checkpoints" / "latest.json"
-    t0 = time.time()
-    while not latest.exists() and time.time() - t0 < 600:
-        time.sleep(0.05)
+    procs.wait_for_path(latest, timeout=600, proc=p)  # the first checkpoint: an event, not a clock
     time.sleep(0.5)  # somewhere inside the next iterations
     p.send_signal(signal.SIGKILL)
     p.wait()
