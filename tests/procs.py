@@ -56,6 +56,18 @@ def popen(args, **kw: Any) -> subprocess.Popen:
     return subprocess.Popen(args, **_kwargs(kw))
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (Linux: ``SigCgt`` in ``/proc/<pid>/status``)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    return False
+
+
 def wait_for(ready: Callable[[], Any], what: str, timeout: float = 600.0,
              proc: subprocess.Popen | None = None, poll: float = 0.05) -> Any:
     """Wait for an event (``ready()`` true), not for a clock: return its value as soon as it holds.

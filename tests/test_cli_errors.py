@@ -201,6 +201,12 @@ def test_an_empty_method_list_is_refused_before_any_work(tmp_path):
      "interpolation: \"Environment variable 'TRACEKIT_TEST_UNSET' not found\"; set analysis.temperature to a value"),
     ("~name", "hydra.run.dir: name is not in the config (an override like ~name removes it); give name a value, "
               "or set hydra.run.dir itself"),  # Hydra's own phase: the run dir's name
+    ("name=${oc.env:TRACEKIT_TEST_UNSET}",  # Hydra's own phase resolves the run dir's ${name}: the override is named
+     "name=${oc.env:TRACEKIT_TEST_UNSET} cannot be resolved: KeyError raised while resolving interpolation: "
+     "\"Environment variable 'TRACEKIT_TEST_UNSET' not found\"; set name to a value (the override is used by "
+     "hydra.run.dir)"),
+    ("name=${nope}", "name=${nope}: nope is not in the config (an override like ~nope removes it); give nope a value, "
+                     "or set name itself (the override is used by hydra.run.dir)"),
 ])
 def test_an_interpolation_that_cannot_be_resolved_is_one_line(tmp_path, override, message):
     out = _cli(override, root=tmp_path)
@@ -491,3 +497,134 @@ def test_an_endpoint_that_is_not_openai_is_reported_before_any_stage_computes(tm
         f"{srv.url}/models answered HTTP 500: upstream error; check the URL (it ends with the API root, e.g. "
         "http://host:8000/v1) and that the server is up"]
     assert not (tmp_path / "cache" / "rollout").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# -m: every sweep point validated before any job runs
+
+
+def _multirun(*args: str, root: Path) -> subprocess.CompletedProcess:
+    return procs.run([sys.executable, "-m", "tracekit", "-m", "experiment=smoke", *args], capture_output=True,
+                     text=True, timeout=600, cwd=root, env={**os.environ, "TRACEKIT_ROOT": str(root)})
+
+
+def test_a_bad_sweep_point_is_refused_in_one_line_before_job_0(tmp_path):
+    t0 = time.monotonic()
+    out = _multirun("logger=none", "moe.steps=2,0,3", root=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
+    assert _lines(out.stderr) == ["tracekit: config error: 1 of 3 sweep jobs would be refused, so none was started: "
+                                  "job #1 (moe.steps=0): moe.steps=0 is invalid: must be >= 1"]
+    assert "Launching" not in out.stdout + out.stderr and list(tmp_path.iterdir()) == []  # no job, no multirun dir
+    assert time.monotonic() - t0 < 300  # no job ran (a bound against one, loose enough for a loaded machine)
+
+
+def test_a_sweep_presets_points_are_validated_too_each_named(tmp_path):
+    """sweep=thresholds sweeps delta x rho (hydra.sweeper.params); the command line's delta replaces the preset's:
+    the three points with delta=1.5 are named, in one line."""
+    out = _multirun("sweep=thresholds", "logger=none", "thresholds.delta=0.1,1.5", root=tmp_path)
+    assert out.returncode == 2 and list(tmp_path.iterdir()) == []
+    [line] = _lines(out.stderr)
+    assert line.startswith("tracekit: config error: 3 of 6 sweep jobs would be refused, so none was started: job #3 "
+                           "(thresholds.delta=1.5 thresholds.rho=0.05): thresholds.delta=1.5 is invalid: must be in "
+                           "[0, 1]; job #4 (thresholds.delta=1.5 thresholds.rho=0.1): ")
+
+
+def test_valid_sweep_points_pass_the_check(tmp_path):
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from tracekit.cli import CONF_DIR, sweep_points, sweep_problems
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="tracekit"):
+        master = GlobalHydra.instance().hydra.compose_config(
+            "config", overrides=["sweep=consolidation", "experiment=smoke", "logger=none", "moe.steps=2,3",
+                                 f"paths.root_dir={tmp_path}"], run_mode=RunMode.MULTIRUN)
+        points = sweep_points(master)
+        assert len(points) == 18 and points[0][0] == "consolidation=moe moe.steps=2"
+        assert sweep_problems(master) == []
+    GlobalHydra.instance().clear()
+
+
+# --------------------------------------------------------------------------------------------
+# a signal while the app still imports; the first error is the one reported; a mistyped backbone name
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_is_one_line(tmp_path, sig):
+    """The app's imports take seconds: a signal in them ends the command in one line (130 / 143), nothing written."""
+    p = procs.popen([sys.executable, "-m", "tracekit", "experiment=smoke"], stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "TRACEKIT_ROOT": str(tmp_path)})
+    try:
+        # an event, not a clock: python is up and tracekit/__main__.py has installed its early handlers (SIGINT's,
+        # then SIGTERM's: no handler of SIGTERM before it); the imports after them take seconds
+        procs.wait_for(lambda: procs.catches(p.pid, signal.SIGTERM), "the early signal handlers", proc=p,
+                       poll=0.002)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=600)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 128 + sig and "Traceback" not in out + err, err
+    [line] = _lines(err)
+    assert line.startswith(f"tracekit: interrupted by {signal.Signals(sig).name}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_first_error_is_reported_when_the_summary_cannot_be_written_after_it(make_cfg, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """The whole root on a full disk: the artifact's write fails first (ENOSPC naming its file), then summary.md's.
+    The run raises the first; its one line names the artifact and then the summary's failure."""
+    import errno
+
+    import tracekit.cli as cli
+
+    artifact = tmp_path / "cache" / "rollout" / "k.partial" / "trajectories.jsonl"
+
+    class FullPipeline:
+        def to_compute(self, *a):
+            return []
+
+        def run(self, *a):
+            raise OSError(errno.ENOSPC, "No space left on device", str(artifact))
+
+    real = cli.atomic_write_text
+
+    def write(path, text):
+        if Path(path).name == "summary.md":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, text)
+
+    monkeypatch.setattr(cli, "build_pipeline", FullPipeline)
+    monkeypatch.setattr(cli, "atomic_write_text", write)
+    monkeypatch.setattr(cli, "_model_cache", lambda: None)
+    cfg = make_cfg("experiment=smoke")
+    with pytest.raises(OSError) as e:
+        cli.run(cfg)
+    assert e.value.filename == str(artifact)
+    assert cli.report_failure(e.value, (cfg.paths.cache_dir, cfg.paths.run_dir)) == 2
+    [line] = _lines(capsys.readouterr().err)
+    assert line.startswith(f"tracekit: error: No space left on device: {artifact}: free space there")
+    assert line.endswith(f"the unfinished one resumes (summary.md could not be written either: OSError: [Errno 28] No "
+                         f"space left on device: '{cfg.paths.run_dir}/summary.md')")
+
+    monkeypatch.setattr(cli, "atomic_write_text", real)  # the summary written after the first error says it
+    with pytest.raises(OSError):
+        cli.run(cfg)
+    assert "Status: failed (OSError: [Errno 28] No space left on device" in (Path(cfg.paths.run_dir) / "summary.md").read_text()
+
+
+def test_an_unknown_backbone_name_without_its_own_source_is_refused_listing_the_known_ones(make_cfg):
+    from tracekit.llm.backbones import BACKBONES
+    from tracekit.validate import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("experiment=smoke", "backbone.name=tinyy"))
+    assert str(e.value) == (f"backbone.name='tinyy' is invalid: must be a known backbone ({', '.join(sorted(BACKBONES))}; "
+                            "backbone=<name> picks one), or a custom one with its own source: backbone.source=hub and "
+                            "backbone.hf_id=<a hub model no known backbone names>")
+    assert "smollm2_135m, tiny" in str(e.value)
+    with pytest.raises(ConfigError, match="backbone.name='qwen3_30b'"):  # a known model under a new name
+        validate(make_cfg("experiment=smoke", "backbone=qwen3_30b_a3b", "backbone.name=qwen3_30b"))
+    validate(make_cfg("experiment=smoke", "backbone.name=my_model", "backbone.source=hub", "backbone.hf_id=org/my-model"))

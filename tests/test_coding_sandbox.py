@@ -160,6 +160,157 @@ def test_a_secret_inside_a_bound_directory_is_covered(ws, tmp_path, monkeypatch)
     assert "L = 1" in r.output and "GOLD" not in r.output and "No such file" in r.output
 
 
+# ---------------------------------------------------------------- nothing a task was made from
+
+TASKS = dict(modifiers=("func_pm_remove_cond",), max_per_modifier=1, max_candidates_per_modifier=4)  # as the
+# coding-task tests make them (tests/test_coding_tasks.py: GEN)
+HUGE = sandbox.CommandLimits(cpu_seconds=120, wall_seconds=120, memory_bytes=1 << 30, output_chars=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def taskset(tmp_path_factory):
+    from tracekit.coding.tasks import TaskGenConfig, load_or_generate
+
+    return load_or_generate(TaskGenConfig(**TASKS), tmp_path_factory.mktemp("cache"))
+
+
+def _episode(taskset, task):
+    from tracekit.coding.suite import CodingSuite
+
+    suite = CodingSuite("coding_toolz", taskset, split=task.split, limits=HUGE, task_ids=[task.instance_id])
+    ep = suite.episode(suite.tasks()[0])
+    ep.reset()
+    return ep
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def test_no_file_in_the_jail_equals_what_a_task_was_made_from(taskset):
+    """For every task: the pre-bug version of each file its bug touched exists nowhere in the jail (the whole tree
+    walked from inside, with and without -xdev, every file of the same size hashed), nor does any copy of the
+    package by name (source directories, .dist-info, wheels) but the task's own tree."""
+    import importlib.metadata
+
+    installed = importlib.metadata.distribution("toolz")
+    assert taskset.tasks
+    for task in taskset.tasks:
+        touched = {rel: taskset.pristine[rel] for rel in task.buggy_files}
+        for rel, text in touched.items():  # the threat is real: the installed package holds the pre-bug file
+            assert _sha256(Path(installed.locate_file(rel)).read_text(encoding="utf-8")) == _sha256(text)
+        control = max((r for r in taskset.pristine if r not in touched), key=lambda r: len(taskset.pristine[r]))
+        sizes = " -o ".join(f"-size {len(t.encode('utf-8'))}c" for t in [*touched.values(), taskset.pristine[control]])
+        ep = _episode(taskset, task)
+        try:
+            r = ep.ws.run(
+                "for x in '' -xdev; do echo \"== walk$x\"; find / $x -path /proc -prune -o -type f "
+                f"\\( {sizes} \\) -print0 2>/dev/null | xargs -0 -r sha256sum; done; echo '== names'; "
+                "find / -path /proc -prune -o \\( -iname '*toolz*' -o -name tlz -o -name tlz.py \\) "
+                "-print 2>/dev/null; echo '== count'; find / -path /proc -prune -o -print 2>/dev/null | wc -l; "
+                "echo '== import'; cd / && python -c 'import toolz' 2>&1 | tail -1", HUGE)
+        finally:
+            ep.ws.close()
+        out = dict(part.split("\n", 1) for part in r.output.split("== ")[1:])
+        hashed = {line.split(None, 1)[0]: line.split(None, 1)[1] for k in ("walk", "walk-xdev")
+                  for line in out[k].splitlines() if line.strip()}
+        assert not {_sha256(t) for t in touched.values()} & set(hashed), r.output[-2000:]
+        # the walk hashes what it should: an untouched file of the copy, found at its place in the copy
+        assert hashed.get(_sha256(taskset.pristine[control])) == f"{ep.ws.repo}/{control}", r.output[-2000:]
+        assert all(p.startswith(str(ep.ws.repo) + "/") for p in out["names"].split()), out["names"]
+        assert int(out["count"]) > 10_000, out["count"]  # the walk covered the view (/usr, the interpreter)
+        assert "No module named 'toolz'" in out["import"]  # outside its copy, no toolz to import
+
+
+def test_copying_the_package_from_anywhere_does_not_solve_a_task(taskset):
+    """The attack: find the package anywhere in the jail, copy it over the task's tree, submit. On a jail that
+    binds the interpreter's site-packages it resolves every task; here there is nothing to copy."""
+    task = taskset.tasks[0]
+    ep = _episode(taskset, task)
+    from tracekit.types import Message, ToolCall
+
+    attack = ("for d in $(find / -path /proc -prune -o -type d \\( -name toolz -o -name tlz \\) -print 2>/dev/null "
+              "| grep -v \"^$PWD/\"); do echo FOUND $d; cp -r \"$d/.\" \"$(basename \"$d\")/\"; done; "
+              "for w in $(find / -path /proc -prune -o -name 'toolz*.whl' -print 2>/dev/null); do echo FOUND $w; "
+              "python -m zipfile -e \"$w\" .; done; git status --short; echo attacked")
+    step = ep.step(Message(role="assistant", tool_calls=[ToolCall(id="a", name="bash", arguments={"command": attack})]))
+    said = step.messages[0].content
+    assert "attacked" in said and "FOUND" not in said, said
+    ep.step(Message(role="assistant", tool_calls=[ToolCall(id="s", name="submit", arguments={})]))
+    o = ep.outcome()
+    assert (o.reward, o.success) == (0.0, False) and o.info["status"] in ("empty_patch", "tests_failed"), o.info
+
+
+def test_every_copy_of_a_hidden_package_in_a_bound_directory_is_covered(ws, tmp_path):
+    """Copies of the task's package outside the interpreter's site directories (another version's source tree,
+    its .dist-info, a wheel, a renamed file of it) are covered where a bound directory holds them; the rest of
+    that directory stays; without ``hide`` all of it shows."""
+    import importlib.metadata
+
+    d = importlib.metadata.distribution("toolz")
+    site_dir = Path(d.locate_file(""))
+    shown = tmp_path / "shown"
+    shutil.copytree(site_dir / "toolz", shown / "lib" / "toolz", ignore=shutil.ignore_patterns("__pycache__"))
+    (shown / "lib" / "toolz" / "recipes.py").write_text("# another version\n")  # not the same files: by name
+    shutil.copytree(site_dir / f"toolz-{d.version}.dist-info", shown / "lib" / f"toolz-{d.version}.dist-info")
+    (shown / "dist").mkdir()
+    (shown / "dist" / "toolz-0.9.0-py3-none-any.whl").write_bytes(b"PK wheel")
+    (shown / "dist" / "renamed.txt").write_text((site_dir / "toolz" / "itertoolz.py").read_text())
+    (shown / "dist" / "mine.py").write_text("M = 1\n" * 100)
+    os.chmod(tmp_path, 0o755)
+    probe = (f"cd {shown} && find lib -type f | wc -l; "
+             "wc -c < dist/toolz-0.9.0-py3-none-any.whl; wc -c < dist/renamed.txt; wc -c < dist/mine.py")
+    hidden = sandbox.run(probe, ws.repo, WIDE, read_only=(shown,), hide=("toolz",))
+    assert hidden.output.split()[:4] == ["0", "0", "0", "600"], hidden.output
+    shown_all = sandbox.run(probe, ws.repo, WIDE, read_only=(shown,))
+    assert int(shown_all.output.split()[0]) > 10 and shown_all.output.split()[1:3] != ["0", "0"], shown_all.output
+
+
+def test_a_cache_under_a_bound_prefix_is_refused(make_cfg, monkeypatch, ws):
+    """``paths.cache_dir=`` inside the interpreter's prefix (bound into every command): the coding target refuses
+    before generating anything, in one line naming the cache and the prefix; so does every command while
+    ``$TRACEKIT_CACHE`` names one there, or while a task cache left there by another run exists."""
+    from tracekit.artifacts import StageCache
+    from tracekit.coding import runtime
+    from tracekit.targets import target
+
+    prefix = sandbox._real(sys.prefix)
+    if not os.access(prefix, os.W_OK):
+        pytest.skip(f"the interpreter's prefix {prefix} is not writable here")
+    monkeypatch.setattr(sandbox, "_CACHES", {})
+    cache = Path(prefix) / f"tracekit-test-cache-{uuid.uuid4().hex[:12]}"
+    try:
+        cfg = make_cfg("benchmark=coding_toolz", "benchmark.split=test")
+        cfg.paths.cache_dir = str(cache)
+        with pytest.raises(sandbox.CacheExposed) as e:
+            target("coding").build_suite(cfg, None, None)
+        said = str(e.value)
+        assert _one_line(said) and f"{cache} (paths.cache_dir)" in said and f"inside {prefix}," in said, said
+        assert not cache.exists()  # refused before anything was generated
+        monkeypatch.setattr(sandbox, "_CACHES", {})
+        cache.mkdir()
+        monkeypatch.setenv("TRACEKIT_CACHE", str(cache))
+        with pytest.raises(sandbox.CacheExposed, match=f"{cache} \\(TRACEKIT_CACHE\\) lies inside {prefix},"):
+            ws.run("true", LIMITS)
+        monkeypatch.delenv("TRACEKIT_CACHE")
+        plant_task_cache(cache, "left")  # left by another run, named by nothing this process knows
+        runtime._SCANS.clear()  # (a bound tree is walked again after SCAN_TTL_S)
+        with pytest.raises(sandbox.CacheExposed) as e:
+            ws.run("true", LIMITS)
+        assert _one_line(str(e.value)) and f"{cache}/coding_tasks lies inside {prefix}," in str(e.value)
+        shutil.rmtree(cache / "coding_tasks")
+        StageCache(cache).get_or_compute("rollouts", "k1", lambda d: (d / "trajectories.jsonl").write_text("{}\n"))
+        runtime._SCANS.clear()  # a stage artifact (trajectories hold gold patches) left there by another run
+        with pytest.raises(sandbox.CacheExposed, match=f"{cache}/rollouts/k1 lies inside {prefix},"):
+            ws.run("true", LIMITS)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+        runtime._SCANS.clear()
+    assert ws.run("echo alive", LIMITS).output.strip() == "alive"
+
+
 def test_the_checkout_home_host_proc_and_passwd_are_not_visible(ws):
     top = sandbox.checkout_root()
     home = os.environ.get("HOME", "/root")

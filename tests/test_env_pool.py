@@ -98,15 +98,23 @@ def tau2_retail(limit: int) -> EnvSuite:
 
 
 class DyingEpisode(Episode):
-    def __init__(self, task):
-        self.task, self.n = task, 0
+    def __init__(self, task, once: str | None = None):
+        self.task, self.n, self.once = task, 0, once
 
     def reset(self) -> Observation:
         return Observation([Message(role="system", content="s"), Message(role="user", content=self.task.id)], tools=[])
 
+    def fails_now(self) -> bool:
+        """Task t0 fails its infrastructure: every time, or (``once``: a marker file) the first time only."""
+        if not self.task.data["die"] or (self.once is not None and os.path.exists(self.once)):
+            return False
+        if self.once is not None:
+            open(self.once, "w").close()
+        return True
+
     def step(self, action) -> StepResult:
         self.n += 1
-        if self.task.data["die"] and self.n == 2:
+        if self.n == 2 and self.fails_now():
             print("about to die: the sandbox segfaulted", file=sys.stderr, flush=True)
             os._exit(3)
         return StepResult([Message(role="user", content=f"more {self.n}")], done=self.n == 3)
@@ -116,19 +124,19 @@ class DyingEpisode(Episode):
 
 
 class DyingSuite(EnvSuite):
-    def __init__(self, n: int):
-        self.name = "dying"
+    def __init__(self, n: int, once: str | None = None):
+        self.name, self.once = "dying", once
         self._tasks = [Task(id=f"t{i}", env="dying", data={"die": i == 0}) for i in range(n)]
 
     def tasks(self):
         return self._tasks
 
     def episode(self, task, seed=0):
-        return DyingEpisode(task)
+        return DyingEpisode(task, self.once)
 
 
-def dying_suite(n: int) -> EnvSuite:
-    return DyingSuite(n)
+def dying_suite(n: int, once: str | None = None) -> EnvSuite:
+    return DyingSuite(n, once)
 
 
 class BigEpisode(DyingEpisode):
@@ -154,29 +162,50 @@ def big_suite(n: int) -> EnvSuite:
 from tracekit.types import Message, Task  # noqa: E402
 
 
-def test_a_dead_worker_ends_only_its_episodes_with_its_exit_and_last_stderr_line(tmp_path):
+def test_a_dead_worker_ends_only_its_episodes_which_run_again_and_none_is_recorded(tmp_path):
+    """The worker holding t0 and t2 dies once (exit 3): both end with a WorkerDied naming its exit and last stderr
+    line, are run again on the restarted worker and score as a clean run; the file holds no error, the summary
+    counts the two retried with their causes, and its error count (the agent's failures) is 0."""
     from tracekit.agents import LLMAgent
 
-    suite = DyingSuite(6)
+    once = str(tmp_path / "died")
+    suite = DyingSuite(6, once)
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16, return_tokens=True)
-    with EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (6,)), 2) as pool:
+    with EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (6, once)), 2) as pool:
         first = pool.workers[0]
-        s = run_rollouts(PooledSuite(suite, pool), agent, tmp_path, max_steps=5, batch_size=4, progress=False)
+        s = run_rollouts(PooledSuite(suite, pool), agent, tmp_path / "out", max_steps=5, batch_size=4, progress=False)
         assert first.dead is not None and pool.workers[0] is not first and pool.workers[0].proc.is_alive()
         assert len(pool.deaths) == 1
-    trajs = {t.task_id: t for t in read_trajectories(tmp_path)}
-    assert len(trajs) == 6 and s.errors == 2  # t0 (dies) and t2 (on the same worker); t4, t5 on the new one
-    for tid in ("t0", "t2"):
-        assert trajs[tid].termination == "error"
-        assert "WorkerDied: env worker 0" in trajs[tid].error and "exited with code 3" in trajs[tid].error
-        assert "last stderr line: about to die: the sandbox segfaulted" in trajs[tid].error
-    assert all(trajs[t].reward == 1.0 and trajs[t].error is None for t in ("t1", "t3", "t4", "t5"))
+    trajs = {t.task_id: t for t in read_trajectories(tmp_path / "out")}
+    assert len(trajs) == 6 and s.errors == 0 and s.retried == 2  # t0 (dies) and t2 (on the same worker)
+    assert all(t.reward == 1.0 and t.error is None and t.termination == "done" for t in trajs.values())
+    assert sorted(e.split(":")[0] for e in s.infra_errors) == ["t0/0", "t2/0"]
+    for e in s.infra_errors:
+        assert "WorkerDied: env worker 0" in e and "exited with code 3" in e
+        assert "last stderr line: about to die: the sandbox segfaulted" in e
     assert not first.proc.is_alive() and all(not w.proc.is_alive() for w in pool.workers if w is not None)
+
+
+def test_an_episode_whose_worker_keeps_dying_stops_the_run_naming_the_task(tmp_path):
+    """t0 kills its worker every time: after rollout.infra_retries runs again the run stops with one line naming
+    it; nothing of t0 is in the file (the others are, for the resume)."""
+    from tracekit.agents import LLMAgent
+    from tracekit.episodes import InfraFailure
+
+    agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16)
+    with EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (3,)), 2) as pool:
+        with pytest.raises(InfraFailure) as e:
+            run_rollouts(PooledSuite(DyingSuite(3), pool), agent, tmp_path, max_steps=5, batch_size=4, progress=False,
+                         infra_retries=1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("episode t0 (sample 0) ended on an infrastructure failure 2 time(s)")
+    assert "WorkerDied: env worker" in msg and "rollout.infra_retries=1" in msg
+    assert all(t.task_id != "t0" and t.error is None for t in read_trajectories(tmp_path))
 
 
 class HangingEpisode(DyingEpisode):
     def step(self, action) -> StepResult:
-        if self.task.data["die"] and self.n == 1:  # a tool call that never returns (a wedged server, a deadlock)
+        if self.n == 1 and self.fails_now():  # a tool call that never returns (a wedged server, a deadlock)
             print("waiting on a lock that never frees", file=sys.stderr, flush=True)
             time.sleep(3600)
         return super().step(action)
@@ -184,32 +213,33 @@ class HangingEpisode(DyingEpisode):
 
 class HangingSuite(DyingSuite):
     def episode(self, task, seed=0):
-        return HangingEpisode(task)
+        return HangingEpisode(task, self.once)
 
 
-def hanging_suite(n: int) -> EnvSuite:
-    return HangingSuite(n)
+def hanging_suite(n: int, once: str | None = None) -> EnvSuite:
+    return HangingSuite(n, once)
 
 
-def test_a_hung_worker_is_killed_and_ends_only_its_episodes(tmp_path):
+def test_a_hung_worker_is_killed_and_its_episodes_run_again(tmp_path):
     from tracekit.agents import LLMAgent
 
+    once = str(tmp_path / "hung")
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16, return_tokens=True)
     t0 = time.monotonic()
     # 10 s: a healthy worker answers a stub step in milliseconds, but on a loaded machine a short timeout could take
     # a slow healthy reply for a hang (the test waits this long once, for the hung worker)
-    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6,)), 2, reply_timeout=10.0) as pool:
+    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6, once)), 2, reply_timeout=10.0) as pool:
         first = pool.workers[0]
-        s = run_rollouts(PooledSuite(HangingSuite(6), pool), agent, tmp_path, max_steps=5, batch_size=4,
-                         progress=False)
+        s = run_rollouts(PooledSuite(HangingSuite(6, once), pool), agent, tmp_path / "out", max_steps=5,
+                         batch_size=4, progress=False)
         assert not first.proc.is_alive() and pool.workers[0] is not first and pool.workers[0].proc.is_alive()
     assert time.monotonic() - t0 < 600  # the timeout, not the hour's sleep (worker start-ups may be slow when loaded)
-    trajs = {t.task_id: t for t in read_trajectories(tmp_path)}
-    assert len(trajs) == 6 and s.errors == 2  # t0 (hangs) and t2 (its worker's other episode)
-    for tid in ("t0", "t2"):
-        assert "WorkerDied: env worker 0" in trajs[tid].error and "sent no reply in 10 s (hung)" in trajs[tid].error
-        assert "last stderr line: waiting on a lock that never frees" in trajs[tid].error
-    assert all(trajs[t].reward == 1.0 and trajs[t].error is None for t in ("t1", "t3", "t4", "t5"))
+    trajs = {t.task_id: t for t in read_trajectories(tmp_path / "out")}
+    assert len(trajs) == 6 and s.errors == 0 and s.retried == 2  # t0 (hangs) and t2 (its worker's other episode)
+    for e in s.infra_errors:
+        assert "WorkerDied: env worker 0" in e and "sent no reply in 10 s (hung)" in e
+        assert "last stderr line: waiting on a lock that never frees" in e
+    assert all(t.reward == 1.0 and t.error is None for t in trajs.values())
 
 
 def test_reply_timeout_is_checked_and_validated(make_cfg):
@@ -433,3 +463,64 @@ def test_the_benchmark_gold_section(tmp_path):
     res = gold_section(SimpleNamespace(gold=3, gold_workers=2, gold_batch=2, repeats=1))
     assert res["episodes"] == 3 and res["identical"] == 3 and len(res["pool_start_s"]) == 2
     assert set(res["ratio_serial_over_pool"]) == {"median", "min", "max"}
+
+
+# -- an env worker killed mid-episode in the rollout stage: run again, the cached artifact holds no worker error -----
+
+
+def _rollout_stage(cfg, cache, run_dir):
+    from tracekit.artifacts import StageCache, read_json
+    from tracekit.pipeline import RunRecord
+    from tracekit.runs import trajectories_of
+    from tracekit.stages import build_pipeline
+
+    art = build_pipeline().run(cfg, ["rollout"], StageCache(cache), RunRecord(run_dir))["rollout"]
+    episodes = art.resolve(read_json(art.path / "episodes.json"))
+    return episodes, trajectories_of(art)
+
+
+def test_a_worker_killed_mid_episode_is_run_again_and_the_cached_rollout_holds_no_worker_error(make_cfg, tmp_path,
+                                                                                                monkeypatch):
+    """The rollout stage on library environments (tau2_mini) with the gold agent and 2 env workers: after the first
+    reset (every episode live in a worker) one worker is SIGKILLed. Its episodes end with WorkerDied, run again,
+    and the cached artifact holds the clean run's trajectories (an in-process run's, the retried ones last), no error; its summary.json
+    counts the retried episodes; the next run is a cache hit."""
+    import multiprocessing as mp
+    import signal
+
+    import tracekit.runs as R
+    from tracekit.artifacts import read_json
+
+    overrides = ("experiment=smoke", "benchmark=tau2_mini", "benchmark.limit=1", "agent.kind=gold",
+                 "stages=[rollout]", "agent.batch_size=8")
+    real, killed = R.build_agent, []
+
+    def build_agent(*a, **k):
+        agent = real(*a, **k)
+        act = agent.act
+
+        def act_then_kill(states):
+            if not killed:  # the first decode: every episode is live in a worker, mid-episode
+                w = min((p for p in mp.active_children() if p.name.startswith("tracekit-env-")), key=lambda p: p.name)
+                os.kill(w.pid, signal.SIGKILL)
+                killed.append(w.pid)
+            return act(states)
+
+        agent.act = act_then_kill
+        return agent
+
+    monkeypatch.setattr(R, "build_agent", build_agent)
+    cfg = make_cfg(*overrides, "rollout.env_workers=2")
+    episodes, trajs = _rollout_stage(cfg, tmp_path / "cache", tmp_path / "run")
+    assert killed and trajs
+    summary = read_json(episodes.path / "summary.json")
+    assert summary["retried"] >= 1 and summary["errors"] == 0 and summary["ran"] == len(trajs)
+    assert all("WorkerDied: env worker 0" in e and "exited with code -9" in e for e in summary["infra_errors"])
+    assert all(t.error is None and t.termination != "error" for t in trajs)
+    assert "WorkerDied" not in (episodes.path / "trajectories.jsonl").read_text()
+
+    monkeypatch.setattr(R, "build_agent", real)
+    serial_eps, serial = _rollout_stage(make_cfg(*overrides, "rollout.env_workers=0"), tmp_path / "c0", tmp_path / "r0")
+    assert sorted(map(_view, trajs)) == sorted(map(_view, serial)) and serial_eps.key == episodes.key  # the retried: last
+    again, _ = _rollout_stage(cfg, tmp_path / "cache", tmp_path / "run2")  # a hit: nothing is rolled out again
+    assert again.path == episodes.path and read_json(again.path / "summary.json") == summary

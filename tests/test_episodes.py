@@ -158,3 +158,113 @@ def test_an_endpoint_error_aborts_instead_of_being_recorded(tmp_path, runner):
     suite = StubSuite(["talk", "down"])
     with pytest.raises(EndpointError):
         _evaluate(suite, tmp_path) if runner == "evaluation" else _train(suite)
+
+
+# -- infrastructure failures are not outcomes: run again, never yielded, counted ----------------------------------
+
+
+def _infra_errors():
+    """One of each infrastructure failure the episode core retries: a dead env worker, the ToolSandbox server, the
+    coding sandbox's jail (tagged, its module imports no tracekit code), and an error raised from one."""
+    from tracekit.coding.sandbox import JailUnavailable
+    from tracekit.envs.pool import WorkerDied
+    from tracekit.envs.toolsandbox import EnvironmentServerError
+
+    def wrapped():
+        try:
+            raise JailUnavailable("coding sandbox: cannot make the command's cgroup")
+        except JailUnavailable as e:
+            raise RuntimeError("the test run could not start") from e
+
+    try:
+        wrapped()
+    except RuntimeError as e:
+        chained = e
+    return [WorkerDied("env worker 0 exited with code -9"), EnvironmentServerError("ToolSandbox server died during step"),
+            JailUnavailable("coding sandbox: the jail cannot start here"), chained]
+
+
+class FlakyEpisode(StubEpisode):
+    """A talk episode whose infrastructure fails at its second step the first ``fails`` times (counted per task)."""
+
+    def __init__(self, task, failures):
+        super().__init__(task)
+        self.failures = failures
+
+    def step(self, action):
+        left = self.failures.get(self.task.id, [])
+        if self.actions == 1 and left:
+            raise left.pop(0)
+        return super().step(action)
+
+
+class FlakySuite(StubSuite):
+    def __init__(self, kinds, failures):
+        super().__init__(kinds)
+        self.failures = failures
+
+    def episode(self, task, seed=0):
+        return FlakyEpisode(task, self.failures)
+
+
+def test_every_kind_of_infrastructure_failure_is_one_type_and_the_agents_errors_are_not():
+    from tracekit.envs.base import infra_cause
+
+    assert all(infra_cause(e) is not None for e in _infra_errors())
+    assert infra_cause(RuntimeError("db exploded")) is None and infra_cause(ValueError("verifier crashed")) is None
+
+
+def test_infrastructure_failures_are_run_again_and_never_recorded(tmp_path):
+    """Each kind fails one episode once (the same episode: three retries): the file and the training batch hold the
+    clean run of every episode; the rollout summary counts the retried episodes (not as errors), the training
+    trajectory says how often; the agent's own failure (boom) stays an outcome."""
+    clean = run_rollouts(StubSuite(["talk", "talk", "boom"]), LLMAgent(StubClient(), temperature=0.0),
+                         tmp_path / "clean", max_steps=5, progress=False)
+    errs = _infra_errors()
+    suite = FlakySuite(["talk", "talk", "boom"], {"talk-0": errs[:3], "talk-1": errs[3:]})
+    s = run_rollouts(suite, LLMAgent(StubClient(), temperature=0.0), tmp_path / "flaky", max_steps=5, progress=False,
+                     infra_retries=3)
+    got, want = read_trajectories(tmp_path / "flaky"), read_trajectories(tmp_path / "clean")
+    view = lambda t: (t.task_id, [m.model_dump() for m in t.messages], t.reward, t.termination, t.error)  # noqa: E731
+    assert sorted(map(view, got)) == sorted(map(view, want))
+    assert s.retried == 2 and s.errors == clean.errors == 1 and len(s.infra_errors) == 4
+    assert s.terminations == clean.terminations and "infra_error" not in s.terminations
+
+    suite = FlakySuite(["talk", "talk"], {"talk-1": _infra_errors()[:1]})
+    specs = [EpisodeSpec(t, 7, k, 0) for k, t in enumerate(suite.tasks())]
+    trajs = run_episodes(StubClient(), suite, specs, temperature=0.0, max_new_tokens=16, max_steps=5)
+    assert [t.error for t in trajs] == [None, None] and [t.info.get("infra_retries") for t in trajs] == [None, 1]
+
+
+def test_an_episode_that_keeps_failing_its_infrastructure_stops_the_run_naming_it(tmp_path):
+    from tracekit.episodes import InfraFailure
+
+    suite = FlakySuite(["talk", "talk"], {"talk-1": _infra_errors()[:3]})
+    with pytest.raises(InfraFailure, match=r"^episode talk-1 \(sample 0\) ended on an infrastructure failure 3 "
+                                           r"time\(s\), not an outcome of the agent: JailUnavailable: "):
+        run_rollouts(suite, LLMAgent(StubClient(), temperature=0.0), tmp_path, max_steps=5, progress=False)
+    specs = [EpisodeSpec(t, 7, 0, 0) for t in suite.tasks()]
+    suite.failures["talk-1"] = _infra_errors()[:1]
+    with pytest.raises(InfraFailure, match="rollout.infra_retries=0"):
+        run_episodes(StubClient(), suite, specs, temperature=0.0, max_steps=5, infra_retries=0)
+
+
+def test_a_resumed_file_drops_an_infrastructure_failure_recorded_before_and_a_cached_one_is_refused(tmp_path):
+    import json
+
+    from tracekit.artifacts import Artifact, CorruptArtifact
+    from tracekit.rollout import TRAJECTORIES
+    from tracekit.runs import read_trajectories_dir
+
+    run_rollouts(StubSuite(["talk", "talk"]), LLMAgent(StubClient(), temperature=0.0), tmp_path, max_steps=5,
+                 progress=False)
+    lines = (tmp_path / TRAJECTORIES).read_text().splitlines()
+    old = json.loads(lines[1])
+    old.update(error="WorkerDied: env worker 1 (pid 7) exited with code -9", termination="error", reward=0.0)
+    (tmp_path / TRAJECTORIES).write_text(lines[0] + "\n" + json.dumps(old) + "\n")
+    with pytest.raises(CorruptArtifact, match=r"1 of its 2 episodes ended on an infrastructure failure recorded as an "
+                                              rf"outcome \(e.g. talk-1: WorkerDied: .*; recompute: rm -r {tmp_path}$"):
+        read_trajectories_dir(Artifact("episodes", "k", tmp_path, "k", True))
+    s = run_rollouts(StubSuite(["talk", "talk"]), LLMAgent(StubClient(), temperature=0.0), tmp_path, max_steps=5,
+                     progress=False)
+    assert s.resumed == 1 and s.ran == 1 and all(t.error is None for t in read_trajectories(tmp_path))

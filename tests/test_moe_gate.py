@@ -174,6 +174,11 @@ def test_heldout_measures_match_separate_passes(specialists):
     for name, items in groups.items():
         assert got["usage_by_capability"][name] == pytest.approx(routing_usage(moe, items, moe.spec)["mean"])
     assert 0 < got["usage"]["pattern0"] < 1
+    # per example, the expert that wins most of its response (token, block) picks, counted per group
+    assert {n: sum(r.values()) for n, r in got["routes"].items()} == {"a": 3, "b": 3}
+    one = heldout_measures(moe, {"b": groups["b"][-1:]}, batch_size=1)  # a single example: its own count
+    only = one["usage_by_capability"]["b"]
+    assert one["routes"]["b"][max(only, key=only.get)] == 1
 
 
 def test_gate_training_beats_uniform_gate_on_held_out(specialists, tmp_path):

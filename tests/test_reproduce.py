@@ -111,6 +111,24 @@ def test_a_bad_spec_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "cache").exists()
 
 
+def test_every_row_is_validated_before_the_first_row_runs(tmp_path, monkeypatch, capsys):
+    """As a -m sweep's points: a table whose second row (or the user's override) sets a value the app would refuse
+    is refused in one line naming the row and the value before job 1 runs (no table dir, no row dir, no cache)."""
+    import tracekit.reproduce.runner as runner
+
+    monkeypatch.setenv("TRACEKIT_ROOT", str(tmp_path))
+    monkeypatch.setenv("TRACEKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "launch", lambda *a, **k: pytest.fail("a job was launched"))
+    rows = [{"label": "Base", "method": "base"}, {"label": "Bad", "method": "trace", "overrides": ["moe.steps=0"]}]
+    assert runner.main([str(_spec(tmp_path, blocks=[{"backbone": "tiny", "rows": rows}]))]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("tracekit.reproduce: error: mini: 1 of 2 rows cannot run: config refused: moe.steps=0 "
+                    "is invalid: must be >= 1: 'Bad' (add --partial to run the other 1 and show these as not run)")
+    assert runner.main([str(_spec(tmp_path)), "moe.steps=0"]) == 2  # the user's override: every row
+    assert "config refused: moe.steps=0 is invalid: must be >= 1: 'Base'" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "cache").exists()
+
+
 def test_a_table_with_rows_not_built_says_which_and_partial_runs_the_rest(tmp_path, monkeypatch, capsys):
     from tracekit.reproduce.runner import main
 

@@ -25,10 +25,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tracekit.artifacts import StageCache, atomic_write_text, unwritable
 from tracekit.config import USER_ERRORS, ConfigError, interpolation_message, register_configs
@@ -78,10 +80,11 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 
 def catch_signals() -> None:
-    """SIGINT and SIGTERM raise :class:`Interrupted` (where their handlers are the default: one the parent set to
-    ignore stays ignored)."""
+    """SIGINT and SIGTERM raise :class:`Interrupted` (where their handlers are the default, or the one-line handler
+    ``python -m tracekit`` sets before its imports: one the parent set to ignore stays ignored)."""
     for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-        if signal.getsignal(sig) is default:
+        handler = signal.getsignal(sig)
+        if handler is default or getattr(handler, "tracekit_early", False):
             signal.signal(sig, _raise_interrupted)
 
 
@@ -102,6 +105,18 @@ def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException
     for title, md in record.sections:
         lines += ["", f"## {title}", "", md]
     atomic_write_text(run_dir / "summary.md", "\n".join(lines) + "\n")
+
+
+def also(e: BaseException, what: str) -> None:
+    """Note on the run's first failure ``e`` what failed after it (its summary, its logger), for its one line."""
+    try:
+        e.tracekit_also = [*getattr(e, "tracekit_also", []), what]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # an exception type that takes no attributes
+        log.warning("after %s: %s", describe(e), what)
+
+
+def _also(e: BaseException) -> str:
+    return "".join(f" ({' '.join(w.split())})" for w in getattr(e, "tracekit_also", []))
 
 
 def run(cfg: DictConfig) -> None:
@@ -127,10 +142,20 @@ def run(cfg: DictConfig) -> None:
     except BaseException as e:
         failure = e
         raise
-    finally:
-        write_summary(run_dir, cfg, record, failure)
+    finally:  # the summary and the logger's end, whatever failed first; their own failure never replaces that one
+        try:
+            write_summary(run_dir, cfg, record, failure)
+        except Exception as e:  # noqa: BLE001
+            if failure is None:
+                raise
+            also(failure, f"summary.md could not be written either: {describe(e)}")
         if record.logger is not None:
-            record.logger.finish(1 if failure else 0)
+            try:
+                record.logger.finish(1 if failure else 0)
+            except Exception as e:  # noqa: BLE001
+                if failure is None:
+                    raise
+                also(failure, f"the run logger could not finish either: {describe(e)}")
     n = len(cuts(cfg))
     log.info("summary: %s (%s)", run_dir / "summary.md",
              f"CUT: {n} values differ from the paper's, named in it" if n else "the paper's setting, no cut")
@@ -179,7 +204,7 @@ def report_failure(e: Exception, dirs: tuple[object, ...] = ()) -> int:
     ``dirs``: where the run writes (cache, run dir), to name the full one when the error names no file."""
     log_file = log_traceback_to_file(log, f"run failed: {describe(e)}", e)
     if isinstance(e, USER_ERRORS):
-        print(f"tracekit: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"tracekit: error: {' '.join(str(e).split())}{_also(e)}", file=sys.stderr)
         return 2
     if found := disk_error(e):
         what, filename = found
@@ -187,9 +212,10 @@ def report_failure(e: Exception, dirs: tuple[object, ...] = ()) -> int:
         where = (f"{what}: {filename}" if filename else full
                  or f"{what} writing under {' or '.join(map(str, dirs)) or 'the run dir or the cache'}")
         print(f"tracekit: error: {where}: free space there (or point TRACEKIT_CACHE and TRACEKIT_ROOT at another disk) "
-              "and run again: finished artifacts are kept, the unfinished one resumes", file=sys.stderr)
+              f"and run again: finished artifacts are kept, the unfinished one resumes{_also(e)}", file=sys.stderr)
         return 2
-    print(f"tracekit: failed: {describe(e)}" + (f" (traceback: {log_file})" if log_file else ""), file=sys.stderr)
+    print(f"tracekit: failed: {describe(e)}" + (f" (traceback: {log_file})" if log_file else "") + _also(e),
+          file=sys.stderr)
     return 1
 
 
@@ -210,7 +236,7 @@ def interrupted(e: KeyboardInterrupt, run_dir: object = None) -> int:
     """One line for a run stopped by SIGINT or SIGTERM; its exit status (128 + the signal's number)."""
     where = f" (run dir {run_dir})" if run_dir else ""
     print(f"tracekit: interrupted by {_signal_name(e)}: finished artifacts are kept and an unfinished one resumes: "
-          f"run the same command again{where}", file=sys.stderr)
+          f"run the same command again{where}{_also(e)}", file=sys.stderr)
     return 128 + int(getattr(e, "signum", signal.SIGINT))
 
 
@@ -230,6 +256,69 @@ def app(cfg: DictConfig) -> None:
         sys.exit(interrupted(e, cfg.paths.run_dir))
     except Exception as e:
         sys.exit(report_failure(e, (cfg.paths.cache_dir, cfg.paths.run_dir)))
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def sweep_points(config: DictConfig) -> list[tuple[str, list[str]]]:
+    """Every job of a multirun as the basic sweeper will launch it: (the swept values, e.g. ``moe.steps=0``, the
+    job's overrides), from ``hydra.sweeper.params`` (a ``sweep=`` preset) and the command line, expanded by the
+    sweeper's own ``split_arguments``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(args)
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    return [(" ".join(o for o in point if o.split("=", 1)[0] in swept) or " ".join(point), point)
+            for point in BasicSweeper.split_arguments(parsed, None)[0]]
+
+
+def sweep_problems(config: DictConfig) -> list[str]:
+    """Each sweep job whose composed config would be refused: ``job #i (its swept values): why``; composed the way
+    the launcher composes it (``load_sweep_config``) and checked by :func:`validate`, before any job runs."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+    loader = GlobalHydra.instance().config_loader()
+    problems = []
+    for i, (label, point) in enumerate(sweep_points(config)):
+        try:
+            job = loader.load_sweep_config(config, list(point))
+            with open_dict(job):  # the job's config as the app gets it: without Hydra's own node
+                del job["hydra"]
+            validate(job)
+        except ConfigError as e:
+            why = str(e)
+        except InterpolationResolutionError as e:
+            why = interpolation_message(e)
+        except (HydraException, OmegaConfBaseException) as e:  # an override the composition refuses (a type)
+            cause = f" {e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
+            why = str(e) + cause
+        else:
+            continue
+        problems.append(f"job #{i} ({label}): {' '.join(why.split())}")
+    return problems
+
+
+class ValidateSweep(Callback):
+    """``-m``: every sweep point's composed config is validated before job #0 runs; a refused one ends the multirun
+    in one line naming it and its value (exit 2), nothing launched (registered in ``conf/config.yaml``)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+            log.info("sweep points are validated as each job starts (sweeper %s)",
+                     OmegaConf.select(config, "hydra.sweeper._target_"))
+            return
+        if problems := sweep_problems(config):
+            n = len(sweep_points(config))
+            print(f"tracekit: config error: {len(problems)} of {n} sweep jobs would be refused, so none was started: "
+                  + "; ".join(problems), file=sys.stderr)
+            sys.exit(2)
 
 
 # Hydra's flags that print and write nothing (no run dir)
@@ -272,6 +361,33 @@ def root_problem(args: list[str]) -> str | None:
             f"writable directory with free space{reuse}")
 
 
+def override_behind(e: BaseException, args: list[str]) -> str | None:
+    """One line naming the command-line override whose ``${...}`` fails the way ``e`` does (Hydra's phase reports
+    the key that uses it: ``name=${oc.env:UNSET}`` surfaces as ``hydra.run.dir``, which holds ``${name}``); None when
+    no override's interpolation fails so on its own."""
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+    def first_line(x: BaseException) -> str:
+        return " ".join(str(x).split("\n")[0].split())
+
+    for a in args:
+        key, sep, value = a.lstrip("+").partition("=")
+        if not sep or "${" not in value or key.startswith("hydra."):
+            continue
+        try:
+            probe = OmegaConf.create({})
+            OmegaConf.update(probe, key, value, force_add=True)
+            OmegaConf.to_container(probe, resolve=True)
+        except InterpolationResolutionError as p:
+            if first_line(p) == first_line(e):
+                user_key = getattr(e, "full_key", None)
+                via = f" (the override is used by {user_key})" if user_key and user_key != key else ""
+                return interpolation_message(p, probe) + via
+        except (OmegaConfBaseException, ValueError):
+            continue
+    return None
+
+
 _OWN_FULL_ERROR = False  # main set HYDRA_FULL_ERROR: Hydra raises what fails in its phase, main says it in one line
 
 
@@ -297,7 +413,7 @@ def main() -> None:
     except KeyboardInterrupt as e:  # before the run started (composing, validating)
         sys.exit(interrupted(e))
     except InterpolationResolutionError as e:
-        print(f"tracekit: config error: {interpolation_message(e)}", file=sys.stderr)
+        print(f"tracekit: config error: {override_behind(e, sys.argv[1:]) or interpolation_message(e)}", file=sys.stderr)
         sys.exit(2)
     except (HydraException, OmegaConfBaseException) as e:  # an override Hydra refused, an unknown config group
         cause = f" {e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""

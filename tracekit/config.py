@@ -22,6 +22,7 @@ from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
 from tracekit.envs.pool import REPLY_TIMEOUT_S
+from tracekit.episodes import INFRA_RETRIES
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPOSettings, LauncherSettings
@@ -313,6 +314,11 @@ class RolloutConfig:
 
     env_workers: Any = "auto"  # auto | 0 (in-process) | N: processes stepping expensive environments (tracekit.envs.pool)
     env_reply_timeout_s: float | None = REPLY_TIMEOUT_S  # a worker silent this long on one turn is killed; None: wait
+    # runs of an episode again after an infrastructure failure (a worker died or hung, the environment server or the
+    # coding sandbox failed; tracekit.episodes), then the stage fails naming the task. Execution only: a retry
+    # replays the same seeded episode from scratch and a failed one never enters an artifact, so what an artifact
+    # holds does not depend on it
+    infra_retries: int = INFRA_RETRIES
 
 
 @dataclass

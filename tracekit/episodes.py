@@ -13,6 +13,13 @@ said the next prompt does not fit, or the backend refused the request: ``finish_
 ``error`` (an exception in the environment, the agent or the verifier: reward 0, recorded with its
 traceback). An :class:`~tracekit.llm.base.EndpointError` (the model server is gone) is never
 recorded on an episode: it aborts the loop.
+
+Infrastructure failures are not outcomes. An episode that ends on an
+:class:`~tracekit.envs.base.InfraError` (an env worker died or hung, the environment server failed, the
+coding sandbox could not run) ends ``infra_error`` and is never yielded: :func:`drive_episodes` runs it
+again from scratch (same task, sample and seed, so a clean retry is the episode a clean run would have
+played), at most ``infra_retries`` times, then raises :class:`InfraFailure` naming the task. A yielded run
+says how often it was retried (``EpisodeRun.retries``, the causes in ``infra_errors``).
 """
 
 from __future__ import annotations
@@ -20,11 +27,12 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracekit.envs.base import Episode, EnvSuite, Observation, StepResult
+from tracekit.envs.base import Episode, EnvSuite, Observation, StepResult, infra_cause
 from tracekit.llm.base import ChatResponse, EndpointError
 from tracekit.types import Message, Task, Trajectory
 
@@ -34,6 +42,12 @@ DONE = "done"
 MAX_STEPS = "max_steps"
 CONTEXT_OVERFLOW = "context_overflow"
 ERROR = "error"
+INFRA_ERROR = "infra_error"  # the infrastructure failed (never yielded: retried, or InfraFailure)
+INFRA_RETRIES = 2  # rollout.infra_retries' default: runs of an episode after its first ends on an infra failure
+
+
+class InfraFailure(RuntimeError):
+    """An episode kept ending on infrastructure failures after its retries: the run stops, naming the task."""
 
 
 @dataclass(eq=False)  # identity semantics: drivers key their own per-episode data by the run
@@ -56,6 +70,8 @@ class EpisodeRun:
     started: float = 0.0
     seconds: float = 0.0
     _unscored: bool = field(default=False, repr=False)  # ended in a worker, its outcome not collected yet
+    retries: int = 0  # times it was run again after an infrastructure failure
+    infra_errors: list[str] = field(default_factory=list)  # each failure's cause, in order
 
     @property
     def ended(self) -> bool:
@@ -137,10 +153,25 @@ class EpisodeRun:
         self._finish(self.termination, error)
         self.seconds = seconds
 
+    @property
+    def infra_failed(self) -> bool:
+        """It ended on an infrastructure failure (to be run again, never scored)."""
+        return self.termination == INFRA_ERROR
+
+    def restart(self) -> None:
+        """Back to a fresh, unopened run of the same task, sample and seed, the failure kept in ``infra_errors``."""
+        self.infra_errors.append(f"{type(self.error).__name__}: {self.error}")
+        self.retries += 1
+        self.episode, self.messages, self.tools, self.steps, self.turns = None, [], [], 0, []
+        self.termination, self.error, self.reward, self.success, self.outcome_info = "", None, 0.0, False, {}
+        self.started, self.seconds, self._unscored = 0.0, 0.0, False
+
     def _finish(self, termination: str, error: BaseException | None) -> None:
         if error is not None:
-            termination, self.reward, self.success = ERROR, 0.0, False
-            log.warning("episode %s/%s failed: %s: %s", self.task.id, self.sample, type(error).__name__, error)
+            infra = infra_cause(error) is not None
+            termination, self.reward, self.success = INFRA_ERROR if infra else ERROR, 0.0, False
+            log.warning("episode %s/%s %s: %s: %s", self.task.id, self.sample,
+                        "hit an infrastructure failure (run again)" if infra else "failed", type(error).__name__, error)
         self.termination, self.error = termination, error
         self.seconds = round(time.time() - self.started, 3)
 
@@ -181,6 +212,7 @@ def drive_episodes(
     max_steps: int,
     batch_size: int,
     fits: Callable[[EpisodeRun], bool] | None = None,
+    infra_retries: int = INFRA_RETRIES,
 ) -> Iterator[EpisodeRun]:
     """Play ``runs`` (opened in order, lazily) with continuous batching; yield each as it ends.
 
@@ -192,9 +224,15 @@ def drive_episodes(
     A suite with ``defers_scoring`` (:class:`tracekit.envs.pool.PooledSuite`) scores ended runs in its
     worker processes: the runs that ended in a round are yielded after the next ``act`` call (the
     decode the scoring overlaps), in the same order, and with the same slots refilled, as in-process.
+
+    A run that ends on an infrastructure failure (``infra_error``) is not yielded: it is restarted and opened
+    again before the next new run, up to ``infra_retries`` times; one more failure raises :class:`InfraFailure`.
     """
+    if infra_retries < 0:
+        raise ValueError(f"infra_retries must be >= 0, got {infra_retries}")
     deferred = bool(getattr(suite, "defers_scoring", False))
     queue = iter(runs)
+    retry: deque[EpisodeRun] = deque()  # runs to play again (an infrastructure failure), before the queue's next
     live: list[EpisodeRun] = []
     ended: list[EpisodeRun] = []  # ended, not yet yielded (in the order they ended)
 
@@ -203,11 +241,29 @@ def drive_episodes(
         ended.clear()
         for r in out:
             r.settle()
-        return out
+        done = []
+        for r in out:
+            if not r.infra_failed:
+                done.append(r)
+            else:
+                if r.retries >= infra_retries:
+                    raise InfraFailure(
+                        f"episode {r.task.id} (sample {r.sample}) ended on an infrastructure failure "
+                        f"{r.retries + 1} time(s), not an outcome of the agent: {type(r.error).__name__}: "
+                        f"{' '.join(str(r.error).split())} (rollout.infra_retries={infra_retries}; earlier: "
+                        f"{'; '.join(r.infra_errors) or 'none'})")
+                log.warning("episode %s/%s: running it again (infrastructure retry %d of %d)", r.task.id, r.sample,
+                            r.retries + 1, infra_retries)
+                r.restart()
+                retry.append(r)
+        return done
+
+    def next_run() -> EpisodeRun | None:
+        return retry.popleft() if retry else next(queue, None)
 
     while True:
         fresh: list[EpisodeRun] = []
-        while len(live) + len(fresh) < batch_size and (r := next(queue, None)) is not None:
+        while len(live) + len(fresh) < batch_size and (r := next_run()) is not None:
             r.open(suite)
             if r.ended:
                 ended.append(r)
@@ -217,6 +273,8 @@ def drive_episodes(
                 fresh.append(r)
         if not fresh and not live:
             yield from flush()
+            if retry:
+                continue
             return
         for r, obs in zip(fresh, suite.reset_batch([r.episode for r in fresh]), strict=True):
             r.reset(obs)

@@ -35,6 +35,7 @@ from tracekit.paired import INTERVAL as PAIRED_INTERVAL
 from tracekit.types import Task, Trajectory
 
 RESULTS = "results.json"
+SCORED_ROWS = "scored_rows.json"  # the evaluate artifact's every scored row, with whether its method keeps it
 TABLE = "results.md"
 INTERVAL = "Student-t 95% CI on per-seed pass rates: mean +- t_{0.975,n-1} * sd(ddof=1) / sqrt(n)"
 

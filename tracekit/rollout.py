@@ -23,7 +23,12 @@ resume with different settings is refused.
 Failures: an exception inside one episode (environment, user, agent parsing, evaluation) is
 recorded on its trajectory (``error``, termination ``error``, reward 0) and counted in the summary;
 an :class:`~tracekit.llm.base.EndpointError` (the model server is gone) aborts the run, keeping
-everything written so far for the resume.
+everything written so far for the resume. An infrastructure failure (:class:`~tracekit.envs.base.InfraError`:
+an env worker died or hung, the environment server or the coding sandbox failed) is not the agent's: the
+episode runs again (``infra_retries`` times at most, then :class:`~tracekit.episodes.InfraFailure` names the
+task and the run stops, the file kept for the resume) and never reaches the file; the summary counts the
+episodes retried (``retried``) and names each failure (``infra_errors``). A file resumed from that holds an
+infrastructure failure (written before these retries) has it dropped and run again.
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tracekit.agents import Agent, AgentState
-from tracekit.artifacts import JsonlAppender, atomic_write_json, iter_jsonl, read_json
-from tracekit.envs.base import EnvSuite
-from tracekit.episodes import EpisodeRun, drive_episodes
+from tracekit.artifacts import JsonlAppender, atomic_write_json, iter_jsonl, read_json, write_jsonl
+from tracekit.envs.base import INFRA_ERROR_NAMES, EnvSuite
+from tracekit.episodes import INFRA_RETRIES, EpisodeRun, drive_episodes
 from tracekit.llm.base import ChatResponse, EndpointError
 from tracekit.types import Task, TokenRecord, Trajectory, stable_hash
 
@@ -90,13 +95,15 @@ class RolloutSummary:
     total: int  # requested pairs = tasks x samples
     resumed: int  # pairs already in the file when the call started
     ran: int  # episodes run by this call
-    errors: int  # trajectories recorded with an exception
+    errors: int  # trajectories recorded with an exception (the agent's or the environment's, never infrastructure)
     terminations: dict[str, int] = field(default_factory=dict)
     mean_reward: float = 0.0
     success_rate: float = 0.0
     seconds: float = 0.0
     # in-process agents: prompt tokens this call's episodes sent and tokens actually prefilled (prefix reuse)
     prefix_cache: dict[str, int] = field(default_factory=dict)
+    retried: int = 0  # this call's episodes run again after an infrastructure failure (none of them in the file)
+    infra_errors: list[str] = field(default_factory=list)  # "task/sample: cause" of each failure retried
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +118,22 @@ def _settings(suite: EnvSuite, agent: Agent, seed: int, max_steps: int, context_
         "max_steps": max_steps,
         "context_budget": context_budget,
     }
+
+
+def is_infra_record(t: Trajectory) -> bool:
+    """A trajectory recorded for an infrastructure failure (before these were retried): no outcome."""
+    return t.error is not None and t.error.split(":", 1)[0] in INFRA_ERROR_NAMES
+
+
+def drop_infra_records(path: Path) -> int:
+    """Rewrite ``path`` without the trajectories :func:`is_infra_record` names; how many it dropped."""
+    if not path.exists():
+        return 0
+    rows = list(iter_jsonl(path, Trajectory))
+    kept = [t for t in rows if not is_infra_record(t)]
+    if len(kept) < len(rows):
+        write_jsonl(path, kept)
+    return len(rows) - len(kept)
 
 
 def load_done(path: Path) -> dict[tuple[str, int], Trajectory]:
@@ -137,6 +160,7 @@ def run_rollouts(
     batch_size: int = 8,
     tasks: list[Task] | None = None,
     progress: bool = True,
+    infra_retries: int = INFRA_RETRIES,
 ) -> RolloutSummary:
     """Run every (task, sample) of ``tasks`` (default: ``suite.tasks()``) missing from
     ``out_dir/trajectories.jsonl`` and return the summary over all requested pairs.
@@ -162,6 +186,9 @@ def run_rollouts(
     else:
         atomic_write_json(meta_path, settings)
 
+    if dropped := drop_infra_records(path):
+        log.warning("rollout %s: %d episode(s) in %s had ended on an infrastructure failure (recorded before those "
+                    "were retried): running them again", suite.name, dropped, path)
     tasks = suite.tasks() if tasks is None else tasks
     wanted = [(t, s) for t in tasks for s in range(samples)]
     done = load_done(path)
@@ -172,6 +199,7 @@ def run_rollouts(
         log.info("rollout %s: %d of %d episodes already in %s, running %d", suite.name, resumed, len(wanted), path, len(pending))
 
     ran = 0
+    retried: list[EpisodeRun] = []
     runs = (EpisodeRun(task, s, episode_seed(seed, task.id, s, sampled)) for task, s in pending)
 
     def act(live: list[EpisodeRun]) -> list[ChatResponse | Exception]:
@@ -185,7 +213,10 @@ def run_rollouts(
     agent.clear_prefix_cache()
     try:
         with JsonlAppender(path) as sink, tqdm(total=len(pending), desc=f"rollout {suite.name}", disable=not progress) as bar:
-            for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=batch_size, fits=fits):
+            for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=batch_size, fits=fits,
+                                    infra_retries=infra_retries):
+                if r.retries:
+                    retried.append(r)
                 traj = r.trajectory(suite.name)
                 traj.tokens = single_token_record(r.turns)  # evaluation files carry the one exact sequence, where it exists
                 sink.append(traj)
@@ -200,6 +231,11 @@ def run_rollouts(
 
     summary = _summary(path, wanted, done, resumed, ran, time.time() - t_start)
     summary.prefix_cache = reuse
+    summary.retried = len(retried)
+    summary.infra_errors = [f"{r.task.id}/{r.sample}: {e}" for r in retried for e in r.infra_errors]
+    if retried:
+        log.warning("rollout %s: %d episode(s) were run again after an infrastructure failure (%d failure(s); none "
+                    "is in the file)", suite.name, len(retried), len(summary.infra_errors))
     return summary
 
 

@@ -14,18 +14,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
-from tracekit.artifacts import Artifact, atomic_write_json, read_json
+from tracekit.artifacts import Artifact, CorruptArtifact, atomic_write_json, read_json
 from tracekit.config import eval_benchmark, evaluation_config
 from tracekit.envs.pool import pooled
 from tracekit.pipeline import StageContext
 from tracekit.policy import Policy
 from tracekit.rl.launch import Factory, TrainSpec, train
 from tracekit.rl.settings import LauncherSettings
-from tracekit.rollout import TRAJECTORIES, read_trajectories, run_rollouts
+from tracekit.rollout import TRAJECTORIES, is_infra_record, read_trajectories, run_rollouts
 from tracekit.targets import target_of
 from tracekit.types import stable_hash
 from tracekit.wiring import (backbone_dict, build_agent, build_suite, device, dtype, engine_spec, env_reply_timeout,
-                             env_workers, plain, rollout_reads, select, suite_spec, user_kind)
+                             env_workers, infra_retries, plain, rollout_reads, select, suite_spec, user_kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,7 +50,8 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
                 summary = run_rollouts(
                     stepped, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
                     seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
-                    context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size)
+                    context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size,
+                    infra_retries=infra_retries(cfg))
             # the file by name: the work dir's path (a .partial) is not where the artifact will live; scenarios the
             # suite skipped (ToolSandbox's RapidAPI ones without a key) are counted beside the episodes
             atomic_write_json(work / "summary.json", {"policy": policy.identity(), **summary.to_dict(),
@@ -66,7 +67,15 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
 
 
 def read_trajectories_dir(art: Artifact) -> list[Any]:
-    return read_trajectories(art.path)
+    """A rollout artifact's trajectories. One that holds an infrastructure failure recorded as an outcome (made
+    before those were retried: tracekit.episodes) is refused in one line naming the ``rm -r`` that recomputes it."""
+    trajs = read_trajectories(art.path)
+    if infra := [t for t in trajs if is_infra_record(t)]:
+        raise CorruptArtifact(
+            f"{art.path}: {len(infra)} of its {len(trajs)} episodes ended on an infrastructure failure recorded as an "
+            f"outcome (e.g. {infra[0].task_id}: {' '.join(infra[0].error.split())[:200]}), made before those were "
+            f"run again; recompute: rm -r {art.path}")
+    return trajs
 
 
 def trajectories_of(art: Artifact) -> list[Any]:
@@ -130,7 +139,8 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),
             env=env, out_dir=str(work), grpo=settings, chat_format=cfg.backbone.chat_format, engine=engine_spec(cfg),
             # execution only (in no key); an LLM user's replies are batched in the trainer's process
-            env_workers=0 if user_kind(cfg) == "llm" else env_workers(cfg), env_reply_timeout=env_reply_timeout(cfg))
+            env_workers=0 if user_kind(cfg) == "llm" else env_workers(cfg), env_reply_timeout=env_reply_timeout(cfg),
+            env_infra_retries=infra_retries(cfg))
         launcher = LauncherSettings(**plain(cfg.launcher))
         logger = ctx.record.logger
 

@@ -23,7 +23,7 @@ from tracekit.analysis.stages import label, read_labels
 from tracekit.analysis.stages import select_stage as run_select
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import evaluation_config, read_pinned_dictionary
-from tracekit.evaluate import RESULTS, paired_table, wandb_rows, write_results
+from tracekit.evaluate import RESULTS, SCORED_ROWS, paired_table, wandb_rows, write_results
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES, compose_inputs, compose_reads, write_consolidated
 from tracekit.pipeline import Pipeline, Stage, StageContext
@@ -226,15 +226,19 @@ def evaluate_stage(ctx: StageContext) -> None:
     target = target_of(evaluation_config(ctx.cfg))  # the evaluation target's metric (pass rate; similarity)
     summarize = target.summarize
     results: dict[str, Any] = {}
+    every: dict[str, Any] = {}  # every scored row, kept or not (each single adapter on its own environment)
     for name in ctx.cfg.eval.methods:
         method = METHODS[name]
         rows = method.rows(ctx)
         scored = {row.label: summarize(policy_trajectories(ctx, row.policy)) for row in rows}
+        kept = method.keep(scored)
         for row in rows:
-            if row.label in method.keep(scored):
-                results[row.label] = {**scored[row.label], "method": name, "budget": row.budget.to_dict(),
-                                      "notes": list(row.notes)}
+            entry = {**scored[row.label], "method": name, "budget": row.budget.to_dict(), "notes": list(row.notes)}
+            every[row.label] = {**entry, "kept": row.label in kept}
+            if row.label in kept:
+                results[row.label] = entry
     write_results(ctx.work_dir, results, table=target.markdown_table(results))
+    atomic_write_json(ctx.work_dir / SCORED_ROWS, every, sort_keys=False)
 
 
 def evaluate_report(art: Artifact, ctx: StageContext) -> None:
@@ -314,10 +318,11 @@ def build_pipeline() -> Pipeline:
         Stage("train", reads=("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS), inputs=("synthesize",),
               compute=train_stage, report=train_report),
         Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report,
-              version="2"),  # 2: the moe gate holds out a fixed share of its examples (CE before/after on them)
+              version="3"),  # 2: the moe gate holds out a fixed share of its examples (CE before/after on them); 3: per-example routes
         Stage("evaluate", reads=evaluate_reads, inputs=evaluate_inputs, compute=evaluate_stage,
               report=evaluate_report, key_extra=evaluation_benchmark,
-              version="2"),  # 2: each row keeps its per-episode outcomes and its paired comparison with Base
+              version="3"),  # 2: each row keeps its per-episode outcomes and its paired comparison with Base;
+    # 3: scored_rows.json holds every scored row, also those a method does not keep
         *(stage for method in METHODS.values() for stage in method.stages),
         FIGURE4,  # paper Figure 4: TRACE, GEPA, GRPO on target and prompt only along k and the rollouts
     ])

@@ -27,6 +27,7 @@ from tracekit.config import (Config, ConfigError, _check, eval_benchmark, evalua
 from tracekit.envs.pool import valid_setting as valid_env_workers
 from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX_DOMAINS
 from tracekit.envs.toolsandbox import VARIANTS as TOOLSANDBOX_VARIANTS
+from tracekit.llm.backbones import BACKBONES
 from tracekit.llm.base import EndpointError
 from tracekit.llm.decoding import PREFIX_CACHE_MIB
 from tracekit.llm.openai import OpenAIChatClient
@@ -34,13 +35,13 @@ from tracekit.llm.tools import CHAT_FORMATS
 from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
 from tracekit.moe.gate import GateTrainConfig
-from tracekit.planted.warmstart import PlantedSpec
+from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
 from tracekit.ranges import in_range, what_it_must_be
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
 from tracekit.stages import build_pipeline
-from tracekit.synthesis.library import LIBRARY_NAMES
+from tracekit.targets import env_names
 from tracekit.targets import kinds as target_kinds
 from tracekit.targets import target_of
 from tracekit.targets.tau2 import TAU2_DOMAINS
@@ -60,6 +61,7 @@ RANGES: dict[str, str] = {
     "benchmark.limit": ">= 1", "benchmark.max_errors": ">= 1", "benchmark.difficulty": ">= 0",
     "benchmark.train_seed": ">= 0",  # kind=toolsandbox: the heldout training split's seed
     "rollout.env_reply_timeout_s": "> 0",  # null: no timeout
+    "rollout.infra_retries": ">= 0",
     "agent.max_new_tokens": ">= 1", "agent.top_p": "(0, 1]", "agent.batch_size": ">= 1", "agent.prefix_cache_mib": PREFIX_CACHE_MIB,
     "user.max_turns": ">= 1", "user.temperature": "[0, 2]", "user.max_new_tokens": ">= 1",
     "thresholds.delta": "[0, 1]", "thresholds.rho": "[0, 1]", "thresholds.k": ">= 1", "thresholds.n": ">= 1",
@@ -98,7 +100,7 @@ RANGES: dict[str, str] = {
 
 
 def _library_names() -> tuple[str, ...]:
-    return LIBRARY_NAMES
+    return env_names()
 
 
 def _benchmark_names() -> tuple[str, ...]:
@@ -270,6 +272,18 @@ def probe_endpoints(cfg: DictConfig, roles: Iterable[str]) -> None:
             raise ConfigError(f"llm.endpoints.{role}: {e}") from None
 
 
+def _check_backbone_name(bb: DictConfig) -> None:
+    """``backbone.name`` names a registered backbone, or a custom one with its own source: ``backbone.source=hub``
+    and a ``backbone.hf_id`` that is no registered backbone's. Any other unknown name (a typo: ``tinyy``) would run
+    the group's model under a new name, so every stage would recompute for nothing: refused, listing the names."""
+    if bb.name in BACKBONES:
+        return
+    own_source = bb.source == "hub" and bool(bb.hf_id) and bb.hf_id not in {s.hf_id for s in BACKBONES.values()}
+    _check(own_source, "backbone.name", bb.name,
+           f"a known backbone ({', '.join(sorted(BACKBONES))}; backbone=<name> picks one), or a custom one with its own "
+           "source: backbone.source=hub and backbone.hf_id=<a hub model no known backbone names>")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every key against the schema, every value's range or choices and the cross-field rules; raise
     ConfigError (one line) on the first problem, a value whose interpolation cannot be resolved included."""
@@ -277,6 +291,30 @@ def validate(cfg: DictConfig) -> None:
         _validate(cfg)
     except InterpolationResolutionError as e:
         raise ConfigError(interpolation_message(e, cfg)) from None
+
+
+def _check_world_backbone(cfg: DictConfig, planted: PlantedSpec) -> None:
+    """A backbone trained from random init on one world (tokenizer=world: the micro backbone) runs on that world's
+    target only: anywhere else it has never seen a token of the task."""
+    spec = BACKBONES.get(cfg.backbone.name)
+    if spec is None or spec.tokenizer != "world":
+        return
+    family = target_of(cfg).synthesis_family(cfg) if cfg.benchmark.kind in target_kinds() else None
+    if family != planted.family:
+        raise ConfigError(f"backbone={cfg.backbone.name} was warm-started for the {planted.family} world "
+                          f"(backbone.planted.family); benchmark={cfg.benchmark.name} is a {family} target: use "
+                          f"benchmark=micro, or another backbone")
+    # the world's episodes must fit the context the agent is given (eval.context_budget; GRPO's max_prompt_tokens)
+    tokenizer = world_tokenizer(planted.family, spec.chat_format, int(spec.arch["vocab_size"]))
+    suite = target_of(cfg).build_suite(cfg, None, lambda *_: None)
+    try:
+        tokens, task = longest_gold_episode(suite, tokenizer)
+    finally:
+        suite.close()
+    for key in ("eval.context_budget", "grpo.max_prompt_tokens"):
+        budget = OmegaConf.select(cfg, key)
+        _check(tokens <= budget, key, budget, f">= {tokens}: the gold episode of {task} (benchmark.difficulty="
+               f"{cfg.benchmark.difficulty}) is {tokens} tokens of the {planted.family} tokenizer")
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -291,13 +329,15 @@ def _validate(cfg: DictConfig) -> None:
     if "rollout" in cfg:
         _check(valid_env_workers(cfg.rollout.env_workers), "rollout.env_workers", cfg.rollout.env_workers,
                "auto, 0 (in-process) or a positive integer (worker processes)")
+    _check_backbone_name(cfg.backbone)
     t = cfg.thresholds
     _check(t.k <= t.n, "thresholds.k", t.k, f"in [1, thresholds.n={t.n}]")
     if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line
         try:
-            PlantedSpec.from_config(cfg.backbone.planted)
+            planted = PlantedSpec.from_config(cfg.backbone.planted)
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e)) from None
+        _check_world_backbone(cfg, planted)
     for key in ("tool_choice", "copy_ids"):
         if cfg.agent[key] not in ("auto", False):
             _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tracekit.agents import LLMAgent
 from tracekit.envs.pool import REPLY_TIMEOUT_S, SuiteSpec
+from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm import make_client
 from tracekit.llm.backbones import keeping_cached_models, register_model_cache, release_memory
 from tracekit.targets import target_of
@@ -179,6 +180,11 @@ def env_workers(cfg: DictConfig) -> Any:
 def env_reply_timeout(cfg: DictConfig) -> float | None:
     """``rollout.env_reply_timeout_s``: how long an env worker may stay silent on one turn (execution only)."""
     return OmegaConf.select(cfg, "rollout.env_reply_timeout_s", default=REPLY_TIMEOUT_S)
+
+
+def infra_retries(cfg: DictConfig) -> int:
+    """``rollout.infra_retries``: runs of an episode again after an infrastructure failure (execution only)."""
+    return OmegaConf.select(cfg, "rollout.infra_retries", default=INFRA_RETRIES)
 
 
 def build_agent(cfg: DictConfig, adapter: str | None = None, moe: str | None = None,

@@ -8,8 +8,10 @@ ARGV...``; standard library only, so any interpreter runs it).
    ``unshare(2)``: fresh mount, PID, network, IPC, UTS and cgroup namespaces, and with ``mode="userns"`` (not root)
    a user namespace in which the caller's uid is root (so it may mount); forks P1 and exits with its status.
 2. (P1, PID 1 of the new PID namespace, killed when P0 dies) builds the command's root: an empty tmpfs into which
-   only ``spec["mounts"]`` are bound (read-only: /usr, the libraries, the interpreter's prefix, tracekit's pytest
-   plugin; writable: the task copy), ``spec["masks"]`` are covered by empty read-only tmpfs, /etc holds a few
+   only ``spec["mounts"]`` are bound (read-only: /usr, the libraries, the interpreter's prefix with the task runtime
+   over its site directories, tracekit's pytest plugin; writable: the task copy); masks (over a secret or a copy of
+   a task's package inside a bound directory) are empty read-only tmpfs or an empty read-only file (``optional``:
+   skipped where the view has no such path), /etc holds a few
    generated files and read-only binds of loader files, /dev a few device nodes, /tmp /var/tmp /dev/shm are fresh
    size-limited tmpfs, /proc is a fresh procfs of the new PID namespace; then ``pivot_root(2)`` into it, the old root
    detached (nothing of the host but what was bound exists for the command), the new root remounted read-only.
@@ -166,6 +168,8 @@ def _build(spec: dict) -> None:
     readonly_tmpfs = []
     for m in spec["mounts"]:
         dst = root + m["dst"]
+        if m.get("optional") and not os.path.lexists(dst):  # a mask over what the jail's view does not show
+            continue
         if m["kind"] == "bind":
             fd = held[m["src"]]
             is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)

@@ -138,7 +138,8 @@ class Workspace:
     """A private copy of ``files`` at ``self.repo`` with a base commit; :meth:`diff` is the patch against it."""
 
     def __init__(self, files: dict[str, str], prefix: str = "ws-", agent_git: bool = False,
-                 disk_bytes: int = CommandLimits().disk_bytes):
+                 disk_bytes: int = CommandLimits().disk_bytes, hide: tuple[str, ...] = ()):
+        self.hide = tuple(hide)  # distributions no command in the copy may see (the task's package)
         self.root = sandbox.new_workdir(prefix)
         self.repo = self.root / "repo"
         self.repo.mkdir()
@@ -161,7 +162,7 @@ class Workspace:
         if agent_git:  # the agent's own repository in the copy (git status/diff/stash work); git never tracks .git,
             # and the patch is computed with the outside git dir, so nothing in it is ever read by this process
             r = sandbox.run("git init -q && git add -A && git -c user.name=agent -c user.email=agent@localhost "
-                            "commit -qm base", self.repo, CommandLimits(wall_seconds=60))
+                            "commit -qm base", self.repo, CommandLimits(wall_seconds=60), hide=self.hide)
             if r.returncode != 0:
                 raise RuntimeError(f"cannot initialize the agent's git repository: {r.output.strip()[-200:]}")
 
@@ -185,7 +186,7 @@ class Workspace:
             shutil.rmtree(stage, ignore_errors=True)
 
     def run(self, command: str, limits: CommandLimits) -> sandbox.CommandResult:
-        return sandbox.run(command, self.repo, limits)
+        return sandbox.run(command, self.repo, limits, hide=self.hide)
 
     def close(self) -> None:
         sandbox.release_dir(self.repo)
@@ -198,15 +199,16 @@ class Workspace:
         self.close()
 
 
-def apply_patch(repo: Path, patch: str, limits: CommandLimits) -> tuple[bool, str]:
-    """``git apply`` ``patch`` to the tree at ``repo`` inside the sandbox; (applied, git's message)."""
+def apply_patch(repo: Path, patch: str, limits: CommandLimits, hide: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """``git apply`` ``patch`` to the tree at ``repo`` inside the sandbox; (applied, git's message). ``hide``: as
+    :func:`tracekit.coding.sandbox.run`'s."""
     if not patch.strip():
         return False, "empty patch"
     holder = sandbox.new_workdir("patch-")
     try:
         (holder / "model.patch").write_text(patch if patch.endswith("\n") else patch + "\n", encoding="utf-8")
         r = sandbox.run(["git", "apply", "--whitespace=nowarn", str(holder / "model.patch")], repo, limits,
-                        read_only=(holder / "model.patch",))
+                        read_only=(holder / "model.patch",), hide=hide)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
     ok = r.returncode == 0
@@ -227,9 +229,10 @@ class TestRun:
         return {t for t, o in self.tests.items() if o == "passed"}
 
 
-def run_tests(repo: Path, selection: list[str], limits: CommandLimits) -> TestRun:
-    """pytest on ``selection`` (node ids or paths, relative to ``repo``) in the sandbox. A run killed at a limit
-    (a hanging test) reports what finished before (nothing, usually) and ``timed_out``."""
+def run_tests(repo: Path, selection: list[str], limits: CommandLimits, hide: tuple[str, ...] = ()) -> TestRun:
+    """pytest on ``selection`` (node ids or paths, relative to ``repo``) in the sandbox (``hide``: as
+    :func:`tracekit.coding.sandbox.run`'s: the package the tree is a copy of, which only the tree may provide). A
+    run killed at a limit (a hanging test) reports what finished before (nothing, usually) and ``timed_out``."""
     holder = sandbox.new_workdir("res-")
     try:
         sandbox.bounded_dir(holder, MAX_REPORT_BYTES + (1 << 20), inodes=64)
@@ -240,7 +243,7 @@ def run_tests(repo: Path, selection: list[str], limits: CommandLimits) -> TestRu
                 "-W", "ignore::DeprecationWarning", *selection]
         env = {"PYTHONPATH": f"{repo}:{PLUGIN_DIR}", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
                "TRACEKIT_REPORT": str(report)}
-        r = sandbox.run(argv, repo, limits, env=env, read_only=(PLUGIN_DIR,), writable=(holder,))
+        r = sandbox.run(argv, repo, limits, env=env, read_only=(PLUGIN_DIR,), writable=(holder,), hide=hide)
         data = _report(report)
     finally:
         sandbox.release_dir(holder)

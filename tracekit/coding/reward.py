@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from tracekit.coding import sandbox
 from tracekit.coding import repo as R
+from tracekit.coding.runtime import task_hide
 from tracekit.coding.sandbox import CommandLimits
 
 
@@ -64,11 +65,13 @@ def prediction(instance_id: str, model: str, patch: str) -> dict[str, str]:
 
 
 def evaluate_patch(task: PatchTask, buggy_tree: dict[str, str], patch: str, limits: CommandLimits) -> PatchVerdict:
-    """Score ``patch`` on ``task`` (see the module docstring)."""
+    """Score ``patch`` on ``task`` (see the module docstring). Nothing but the patched tree provides the task's
+    package: every other copy of it is hidden from the test run (``task.repo``: ``<distribution>==<version>``)."""
     if not patch or not patch.strip():
         return PatchVerdict(0.0, "empty_patch", detail="nothing changed")
-    with R.Workspace(buggy_tree, prefix="eval-") as ws:
-        ok, message = R.apply_patch(ws.repo, patch, limits)
+    hide = task_hide(getattr(task, "repo", None))
+    with R.Workspace(buggy_tree, prefix="eval-", hide=hide) as ws:
+        ok, message = R.apply_patch(ws.repo, patch, limits, hide=hide)
         if not ok:
             return PatchVerdict(0.0, "malformed_patch", detail=message)
         for rel in task.test_files:  # the tests as the task defines them
@@ -76,7 +79,7 @@ def evaluate_patch(task: PatchTask, buggy_tree: dict[str, str], patch: str, limi
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(buggy_tree[rel], encoding="utf-8")
         sandbox.give_to_sandbox(ws.repo)
-        run = R.run_tests(ws.repo, task.FAIL_TO_PASS + task.PASS_TO_PASS, limits)
+        run = R.run_tests(ws.repo, task.FAIL_TO_PASS + task.PASS_TO_PASS, limits, hide=hide)
     if run.timed_out:
         return PatchVerdict(0.0, "tests_timeout", detail=f"killed at the limit ({', '.join(run.events)})",
                             wall_s=run.wall_s)

@@ -10,14 +10,22 @@ bound, read-only, ``/usr`` and the library/binary directories (``/bin``, ``/lib*
 where the host has them so), a few loader files of ``/etc`` (``ld.so.cache``, ``alternatives``, ...; ``passwd``,
 ``group``, ``hosts`` are generated: root and nobody only), ``/dev/{null,zero,full,random,urandom}``, the interpreter's
 prefix(es) wherever they live (``sys.prefix``, ``sys.base_prefix``: a venv under /tmp or $HOME, pyenv, conda, the
-system), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file); writable: its own task
-copy (and ``writable``: a results directory); fresh size-limited tmpfs on ``/tmp``, ``/var/tmp``, ``/dev/shm``; a fresh
-procfs of its own PID namespace. Nothing else exists for it: not the stage cache (gold patches, hidden tests), not
-the host checkout, not the host /proc, not $HOME, not sibling task copies (only its own directory under
-:func:`work_root` is bound), not a host unix socket (filesystem sockets are not bound; abstract ones belong to the
-network namespace). Where one of those lies inside a bound directory (a checkout under /usr, a cache inside the
-prefix) it is covered by an empty read-only tmpfs (:func:`secret_paths`). Network: a fresh network namespace (no
-interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
+system) with every site directory of the interpreter covered by the *task runtime* (pytest and its requirements,
+copied into a directory tracekit owns: :mod:`tracekit.coding.runtime`; nothing else installed shows, so neither does
+the package a task was made from), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file);
+writable: its own task copy (and ``writable``: a results directory); fresh size-limited tmpfs on ``/tmp``,
+``/var/tmp``, ``/dev/shm``; a fresh procfs of its own PID namespace. Nothing else exists for it: not the stage cache
+(gold patches, hidden tests), not the host checkout, not the host /proc, not $HOME, not sibling task copies (only its
+own directory under :func:`work_root` is bound), not a host unix socket (filesystem sockets are not bound; abstract
+ones belong to the network namespace). Where the checkout, $HOME or the work root lies inside a bound directory (a
+checkout under /usr) it is covered by an empty read-only tmpfs (:func:`secret_paths`), as is a cache inside a
+directory the caller binds. A tracekit cache or root (``$TRACEKIT_CACHE``, ``$TRACEKIT_ROOT``, the working
+directory's ``outputs``, a ``paths.cache_dir`` registered by the task generator: :func:`register_cache`) inside a
+directory bound for every command (/usr, the prefix: :func:`system_binds`), or a task cache (``coding_tasks``) or
+stage artifact met in any bound directory, is refused: :class:`CacheExposed`, one line naming the path and the
+bound directory. ``hide`` (a task's package): every copy of it a bound directory holds (source trees,
+``.dist-info``, wheels, files equal to its files) is covered too (:func:`tracekit.coding.runtime.scan`). Network: a
+fresh network namespace (no interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
 
 **Who runs it** (``isolation()["mode"]``): as root (``root``) the command runs as ``nobody``, owner of its copy
 only; otherwise (``userns``) the jail is built in a user namespace where the caller is root, and the command runs
@@ -67,6 +75,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tracekit.coding import runtime
+
 NOBODY = 65534
 JAIL = Path(__file__).with_name("_jail.py")
 ACCOUNTINGS = ("cgroup2", "cgroup1", "watchdog")
@@ -102,6 +112,8 @@ class CommandLimits:
 
 class JailUnavailable(RuntimeError):
     """The jail cannot be set up on this machine (one line naming what is missing); nothing ran."""
+
+    infra = True  # the sandbox's failure, not the agent's command's: tracekit.envs.base.infra_cause (retried)
 
 
 @dataclass
@@ -391,16 +403,45 @@ def checkout_root() -> str | None:
     return str(top) if (top / "pyproject.toml").exists() or (top / "conf").is_dir() else None
 
 
+class CacheExposed(JailUnavailable):
+    """A tracekit cache or root lies inside a directory the jail binds for every command (one line naming both);
+    nothing ran."""
+
+
+_CACHES: dict[str, str] = {}  # real path -> how it was named (paths.cache_dir of a coding task set)
+
+
+def register_cache(path: str | os.PathLike, label: str = "paths.cache_dir") -> None:
+    """Note a cache directory this process uses (``paths.cache_dir``, passed by the task generator): every command
+    refuses to start while it lies inside a directory the jail binds; refused now (:class:`CacheExposed`) if it
+    does already (it need not exist yet)."""
+    real = _real(path)
+    _CACHES[real] = label
+    problem = _exposed([(label, real)], system_binds())
+    if problem:
+        raise CacheExposed(problem)
+
+
+def known_caches() -> list[tuple[str, str]]:
+    """(how it is named, real path) of every tracekit cache or root this process knows: ``$TRACEKIT_CACHE``,
+    ``$TRACEKIT_ROOT`` (and its ``outputs``), the working directory's ``outputs`` (the default root), and the
+    caches registered by :func:`register_cache`."""
+    out = []
+    if os.environ.get("TRACEKIT_CACHE"):
+        out.append(("TRACEKIT_CACHE", os.environ["TRACEKIT_CACHE"]))
+    if os.environ.get("TRACEKIT_ROOT"):
+        out += [("TRACEKIT_ROOT", os.environ["TRACEKIT_ROOT"]),
+                ("TRACEKIT_ROOT's outputs", os.path.join(os.environ["TRACEKIT_ROOT"], "outputs"))]
+    out.append(("the working directory's outputs", os.path.join(os.getcwd(), "outputs")))
+    out += [(label, p) for p, label in _CACHES.items()]
+    return [(label, _real(p)) for label, p in out]
+
+
 def secret_paths() -> list[str]:
     """What a command must never see even where a bound directory holds it: the stage cache, tracekit's
-    ``outputs``, the checkout, the work root (sibling copies), $HOME."""
-    out = []
-    for env in ("TRACEKIT_CACHE",):
-        if os.environ.get(env):
-            out.append(os.environ[env])
-    for base in (os.environ.get("TRACEKIT_ROOT"), os.getcwd()):
-        if base:
-            out.append(os.path.join(base, "outputs"))
+    ``outputs``, the checkout, the work root (sibling copies), $HOME. (A cache or root inside a directory the jail
+    binds for every command is refused, not covered: :func:`system_binds`.)"""
+    out = [p for _, p in known_caches()]
     top = checkout_root()
     if top:
         out.append(top)
@@ -408,6 +449,33 @@ def secret_paths() -> list[str]:
     if os.environ.get("HOME"):
         out.append(os.environ["HOME"])
     return [p for p in dict.fromkeys(_real(p) for p in out) if os.path.isdir(p)]
+
+
+def system_binds() -> list[str]:
+    """What every command's jail binds, whatever the caller asks (real paths): /usr and the library directories,
+    the loader files of /etc, the interpreter's prefixes, the task runtime. No tracekit cache or root may lie
+    inside one (refused: :class:`CacheExposed`)."""
+    out = [_real(d) for d in SYSTEM_DIRS if not os.path.islink(d) and os.path.isdir(d)]
+    out += [_real(f"/etc/{n}") for n in _etc_names() if not os.path.islink(f"/etc/{n}") and
+            os.path.exists(f"/etc/{n}")]
+    out += [_real(p) for p in interpreter_paths()]
+    out.append(_real(work_root() / "runtime"))
+    return list(dict.fromkeys(out))
+
+
+def _exposed(named: list[tuple[str, str]], bound: list[str]) -> str | None:
+    """The refusal line for the first cache or root of ``named`` inside a directory of ``bound``, else None."""
+    for label, p in named:
+        for b in bound:
+            if _inside(p, b):
+                return (f"coding sandbox: refused: the tracekit cache or root {p} ({label}) lies inside {b}, which "
+                        "the jail binds read-only into every command (an agent could read the gold patches and "
+                        f"hidden tests there): move it outside {b}")
+    return None
+
+
+def _etc_names() -> tuple[str, ...]:
+    return ETC_KEPT + tuple(sorted(n for n in os.listdir("/etc") if n.startswith("python3")))
 
 
 def _bind(src: str, dst: str, rw: bool, dev: bool = False) -> dict:
@@ -422,8 +490,17 @@ def _targets(p: str | os.PathLike) -> list[str]:
     return list(dict.fromkeys([os.path.normpath(os.path.abspath(p)), _real(p)]))
 
 
-def view(cwd: Path, limits: CommandLimits, read_only=(), writable=()) -> tuple[list[dict], list[list[str]]]:
-    """(mounts in the order the jail makes them, symlinks) for a command in ``cwd``."""
+def _at(m: dict, src: str) -> str:
+    """Where ``src`` (inside ``m["src"]``) appears in the jail through bind ``m``."""
+    return os.path.normpath(m["dst"] + "/" + os.path.relpath(src, m["src"]))
+
+
+def view(cwd: Path, limits: CommandLimits, read_only=(), writable=(), hide: tuple[str, ...] = (),
+         probe: bool = False) -> tuple[list[dict], list[list[str]]]:
+    """(mounts in the order the jail makes them, symlinks) for a command in ``cwd``; ``hide``: distributions whose
+    every copy is covered (a task's package, :mod:`tracekit.coding.runtime`). :class:`CacheExposed` when a tracekit
+    cache or root lies inside a directory bound for every command (not for ``probe``: tracekit's own command that
+    checks the jail starts on this machine, which neither refuses nor scans)."""
     mounts: list[dict] = []
     links: list[list[str]] = []
     for d in SYSTEM_DIRS:
@@ -431,7 +508,7 @@ def view(cwd: Path, limits: CommandLimits, read_only=(), writable=()) -> tuple[l
             links.append([d, os.readlink(d)])
         elif os.path.isdir(d):
             mounts.append(_bind(_real(d), d, False))
-    for name in ETC_KEPT + tuple(sorted(n for n in os.listdir("/etc") if n.startswith("python3"))):
+    for name in _etc_names():
         p = f"/etc/{name}"
         if os.path.islink(p):
             links.append([p, os.readlink(p)])
@@ -446,23 +523,40 @@ def view(cwd: Path, limits: CommandLimits, read_only=(), writable=()) -> tuple[l
         links.append([f"{SHIM_DIR}/python", sys.executable])
     tmp_size = limits.disk_bytes
     mounts += [_tmpfs("/tmp", tmp_size), _tmpfs("/var/tmp", tmp_size), _tmpfs("/dev/shm", tmp_size)]
-    extra_ro = [*interpreter_paths(), *map(str, read_only)]
-    for p in extra_ro:
-        for t in _targets(p):
-            mounts.append(_bind(_real(p), t, False))
+    prefixes = [_bind(_real(p), t, False) for p in interpreter_paths() for t in _targets(p)]
+    system = [m for m in mounts if m["kind"] == "bind" and not m.get("dev")] + prefixes  # bound for every command
+    extra = [_bind(_real(p), t, False) for p in map(str, read_only) for t in _targets(p)]  # the caller's
+    mounts += prefixes + extra
+    # the interpreter's site directories, wherever a bind shows them: the task runtime instead (nothing installed
+    # but what a test run needs; never the package a task was made from)
+    hide = tuple(sorted({runtime.normalize(h) for h in hide}))
+    rt = runtime.runtime_dir(work_root(), hide)
+    replaced = []
+    for s in runtime.site_dirs():
+        for m in system + extra:
+            if _inside(s, m["src"]):
+                replaced.append(_bind(_real(rt), _at(m, s), False))
+    mounts += replaced
     for p in [cwd, *writable]:
         for t in _targets(p):
             mounts.append(_bind(_real(p), t, True))
-    # masks: a secret inside a bound directory (not one that is itself bound) is covered
     binds = [m for m in mounts if m["kind"] == "bind" and not m.get("dev")]
+    if not probe:  # a cache or root where every command sees it: refused, not covered (it may be anywhere in it)
+        problem = _exposed([(label, p) for label, p in known_caches() if os.path.exists(p)],
+                           [m["src"] for m in system])
+        if problem:
+            raise CacheExposed(problem)
+    # masks: a secret inside a bound directory (not one that is itself bound) is covered
     bound = {m["dst"] for m in binds}
-    for s in secret_paths():
+    under_runtime = [m["dst"] for m in replaced]
+    secrets = secret_paths()
+    for s in secrets:
         for m in binds:
             if s != m["src"] and _inside(s, m["src"]):
-                dst = os.path.normpath(m["dst"] + "/" + os.path.relpath(s, m["src"]))
-                if dst not in bound:
+                dst = _at(m, s)
+                if dst not in bound and not any(_inside(dst, r) for r in under_runtime):
                     mounts.append(_tmpfs(dst, 1 << 20, rw=False, mode="0755", inodes=4096))
-    masks = [m["dst"] for m in mounts if m["kind"] == "tmpfs" and not m["rw"]]
+    masks = [m["dst"] for m in mounts if m["kind"] == "tmpfs" and not m["rw"]] + under_runtime
 
     def covered(m: dict) -> bool:  # a read-only bind already visible through a shallower one
         if m["kind"] != "bind" or m["rw"] or m.get("dev") or m["src"] != m["dst"]:
@@ -477,8 +571,41 @@ def view(cwd: Path, limits: CommandLimits, read_only=(), writable=()) -> tuple[l
             continue
         seen.add(m["dst"])
         out.append(m)
+    if not probe:
+        out += _scan_masks(out, hide, secrets)
     out.sort(key=lambda m: m["dst"].rstrip("/").count("/"))
     return out, links
+
+
+def _scan_masks(mounts: list[dict], hide: tuple[str, ...], secrets: list[str]) -> list[dict]:
+    """Masks over every copy of a hidden distribution in the read-only binds (:func:`tracekit.coding.runtime.scan`);
+    :class:`CacheExposed` for a task cache met there (one not covered already)."""
+    fp = runtime.fingerprint(hide)
+    ro = [m for m in mounts if m["kind"] == "bind" and not m["rw"] and not m.get("dev")]
+    host_points = [p for _, p, _, _ in _mounts()]
+    empty = None
+    out: list[dict] = []
+    for m in ro:
+        src = m["src"]
+        # not walked: what other mounts of the jail cover (the runtime over a site directory, masks, deeper binds)
+        # and what a bind does not carry (the host's mounts below it: binds are not recursive)
+        prune = {src + "/" + os.path.relpath(o["dst"], m["dst"]) for o in mounts
+                 if o is not m and o["dst"] != m["dst"] and _inside(o["dst"], m["dst"])}
+        prune |= {p for p in host_points if p != src and _inside(p, src)}
+        prune |= {s for s in secrets if s != src and _inside(s, src)}
+        found = runtime.scan(src, tuple(sorted(prune)), fp)
+        if found.caches:
+            where = os.path.join(src, found.caches[0])
+            raise CacheExposed(f"coding sandbox: refused: a tracekit cache {where} lies inside {src}, which the "
+                               "jail binds read-only into commands (an agent could read the gold patches and hidden "
+                               f"tests there): move it outside {src}")
+        for rel in found.dirs:
+            out.append({**_tmpfs(_at(m, os.path.join(src, rel)), 1 << 20, rw=False, mode="0755", inodes=4096),
+                        "optional": True})
+        for rel in found.files:
+            empty = empty or str(runtime.empty_file(work_root()))
+            out.append({**_bind(empty, _at(m, os.path.join(src, rel)), False), "optional": True})
+    return out
 
 
 # ---------------------------------------------------------------- work directories and bounded copies
@@ -604,8 +731,8 @@ def _truncate(text: str, limit: int) -> tuple[str, bool]:
 
 
 def _spec(cwd: Path, limits: CommandLimits, read_only, writable, acc: Accounting, cgroups: list[str],
-          status_fd: int) -> dict:
-    mounts, links = view(cwd, limits, read_only, writable)
+          status_fd: int, hide: tuple[str, ...] = (), probe: bool = False) -> dict:
+    mounts, links = view(cwd, limits, read_only, writable, hide, probe)
     root = mode() == "root"
     watch: dict = {}
     if acc.name == "watchdog":
@@ -649,16 +776,18 @@ def _read_status(fd: int) -> list[str]:
 
 
 def _jail_run(argv: list[str], cwd: Path, limits: CommandLimits, env: dict[str, str] | None, read_only, writable,
-              ) -> tuple[int | None, bytes, list[str], float]:
+              hide: tuple[str, ...] = (), probe: bool = False) -> tuple[int | None, bytes, list[str], float]:
     """(exit status or None at the wall limit, raw output, events, wall seconds); JailUnavailable if it cannot
-    start."""
+    start (CacheExposed: a cache or root where the command would see it)."""
     acc = accounting()
+    spec = _spec(cwd, limits, read_only, writable, acc, [], -1, hide, probe)  # may refuse: nothing made yet
     cgroups = acc.create(limits) if acc.dirs else []
     r, w = os.pipe()
+    spec["cgroup_procs"] = [os.path.join(d, "cgroup.procs") for d in cgroups]
+    spec["status_fd"] = w
     events: list[str] = []
     try:
-        full = [sys.executable, "-I", "-S", "-B", str(JAIL),
-                marshal.dumps(_spec(cwd, limits, read_only, writable, acc, cgroups, w)).hex(), "--", *argv]
+        full = [sys.executable, "-I", "-S", "-B", str(JAIL), marshal.dumps(spec).hex(), "--", *argv]
         t0 = time.monotonic()
         with tempfile.TemporaryFile() as out:
             proc = subprocess.Popen(full, cwd="/", stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -701,7 +830,7 @@ def _problem(forced: str, user: int, cwd: str) -> str | None:
     try:
         give_to_sandbox(holder)
         rc, raw, _, _ = _jail_run(["python", "-c", "import sys"], holder, CommandLimits(wall_seconds=20), None, (),
-                                  ())
+                                  (), probe=True)  # the machine's problem, not where this run keeps its cache
         if rc != 0:
             said = " ".join(raw.decode("utf-8", "replace").split())[-300:]
             return f"coding sandbox: the interpreter does not start in the jail (exit {rc}): {said}"
@@ -745,7 +874,9 @@ def isolation() -> dict[str, str]:
     return {
         "mode": mode(), "accounting": acc.name, "accounting_why": acc.why,
         "view": ("empty tmpfs root: read-only /usr, /lib*, loader files of /etc, the interpreter prefix(es) "
-                 f"{', '.join(interpreter_paths())}; writable: the task copy; fresh /proc, /tmp; nothing else"),
+                 f"{', '.join(interpreter_paths())} with the task runtime (pytest and its requirements) over their "
+                 "site directories, every copy of the task's package covered; writable: the task copy; fresh /proc, "
+                 "/tmp; nothing else"),
         "cpu": "RLIMIT_CPU", "wall": "deadline + SIGKILL of the PID namespace", **acc.describe(),
         "disk": ("the task copy is a tmpfs of its size + disk_bytes (per episode)" if root else
                  "watchdog: the writable paths' size polled, killed over the copy's size + disk_bytes"),
@@ -757,16 +888,18 @@ def isolation() -> dict[str, str]:
 
 def run(command: str | list[str], cwd: Path, limits: CommandLimits = CommandLimits(),
         env: dict[str, str] | None = None, read_only: tuple[Path, ...] = (),
-        writable: tuple[Path, ...] = ()) -> CommandResult:
+        writable: tuple[Path, ...] = (), hide: tuple[str, ...] = ()) -> CommandResult:
     """Run ``command`` (a bash command line, or an argv) in ``cwd`` under ``limits``; never raises for what the
-    command does (only for a missing ``cwd`` and :class:`JailUnavailable`). ``read_only``: paths the command must
-    also see (tracekit's pytest plugin); ``writable``: directories it may also write (a results directory)."""
+    command does (only for a missing ``cwd`` and :class:`JailUnavailable`, :class:`CacheExposed` among them).
+    ``read_only``: paths the command must also see (tracekit's pytest plugin); ``writable``: directories it may
+    also write (a results directory); ``hide``: distributions no copy of which it may see (the package its task
+    was made from: :mod:`tracekit.coding.runtime`)."""
     cwd = Path(cwd)
     if not cwd.is_dir():
         raise FileNotFoundError(f"no working directory {cwd}")
     require_jail()
     argv = ["bash", "--noprofile", "--norc", "-c", command] if isinstance(command, str) else list(command)
-    rc, raw, events, wall = _jail_run(argv, cwd, limits, env, read_only, writable)
+    rc, raw, events, wall = _jail_run(argv, cwd, limits, env, read_only, writable, tuple(hide))
     text = raw.decode("utf-8", "replace")
     if rc is not None:
         if rc < 0:  # the jail itself died of a signal: report it as a shell would

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from tracekit.coding.repo import Workspace, read_tree
 from tracekit.coding.reward import PatchVerdict, evaluate_patch, prediction, swe_rl_reward
 from tracekit.coding.interface import TOOLS
+from tracekit.coding.runtime import task_hide
 from tracekit.coding.sandbox import CommandLimits, isolation
 from tracekit.coding.tasks import CodingTask, TaskSet
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
@@ -68,7 +69,7 @@ class CodingEpisode(Episode):
 
     def reset(self) -> Observation:
         self.ws = Workspace(self.suite.taskset.buggy_tree(self.task), prefix="ep-", agent_git=True,
-                            disk_bytes=self.suite.limits.disk_bytes)
+                            disk_bytes=self.suite.limits.disk_bytes, hide=task_hide(self.task.repo))
         weakref.finalize(self, self.ws.close)  # an episode dropped before its outcome leaves no copy behind
         return Observation(messages=[Message(role="system", content=system_prompt(self.task)),
                                      Message(role="user", content=self.task.problem_statement)], tools=TOOLS)

@@ -176,6 +176,7 @@ def cache_key(cfg: TaskGenConfig, version: str, pristine: dict[str, str]) -> str
 
 def load_or_generate(cfg: TaskGenConfig, cache_root: Path) -> TaskSet:
     """The cached task set for ``cfg`` (generated once, atomically, under a lock)."""
+    sandbox.register_cache(cache_root)  # refused here if a command's jail would show it (gold patches, tests)
     version, pristine = R.package_snapshot(cfg.package)
     key = cache_key(cfg, version, pristine)
     root = Path(cache_root) / "coding_tasks"
@@ -201,11 +202,12 @@ def generate(cfg: TaskGenConfig, version: str, pristine: dict[str, str]) -> tupl
     """Inject, validate and keep tasks; the report counts candidates and their fates per modifier."""
     t_start = time.monotonic()
     limits = cfg.limits()
+    hide = (cfg.package,)  # the suite runs on the tree given, never on the installed package
     tests = test_files(pristine)
     if not tests:
         raise RuntimeError(f"coding tasks: {cfg.package} ships no test files (test_*.py)")
-    with R.Workspace(pristine, prefix="pristine-") as ws:
-        base = R.run_tests(ws.repo, tests, limits)
+    with R.Workspace(pristine, prefix="pristine-", hide=hide) as ws:
+        base = R.run_tests(ws.repo, tests, limits, hide=hide)
     passing = base.passed()
     if not passing:
         raise RuntimeError(f"coding tasks: no test of {cfg.package}'s suite passes on the pristine tree "
@@ -260,8 +262,8 @@ def generate(cfg: TaskGenConfig, version: str, pristine: dict[str, str]) -> tupl
                 continue
             seen.add(digest)
             buggy = {**pristine, rel: buggy_text}
-            with R.Workspace(buggy, prefix="cand-") as cws:
-                run = R.run_tests(cws.repo, tests, limits)
+            with R.Workspace(buggy, prefix="cand-", hide=hide) as cws:
+                run = R.run_tests(cws.repo, tests, limits, hide=hide)
             if run.timed_out:
                 counts["timeout"] += 1
                 continue

@@ -25,6 +25,35 @@ from typing import Any
 from tracekit.types import Message, Task
 
 
+class InfraError(RuntimeError):
+    """The environment's infrastructure failed, not the agent: an env worker died or hung
+    (:class:`tracekit.envs.pool.WorkerDied`), the environment server failed
+    (:class:`tracekit.envs.toolsandbox.EnvironmentServerError`), the coding sandbox could not run a command
+    (``tracekit.coding.sandbox.JailUnavailable``, tagged ``infra = True``). An episode that ends on one is not an
+    outcome: the episode core (:func:`tracekit.episodes.drive_episodes`) runs it again from scratch, a bounded number
+    of times (``rollout.infra_retries``), and never yields it to a runner: no artifact or training batch holds it."""
+
+    infra = True
+
+
+# what older trajectories recorded for an infrastructure failure (``Trajectory.error`` starts with ``<name>:``): a
+# rollout artifact holding one predates the retries and is refused (tracekit.runs.cached_rollout)
+INFRA_ERROR_NAMES = ("InfraError", "WorkerDied", "EnvironmentServerError", "JailUnavailable")
+
+
+def infra_cause(e: BaseException | None) -> BaseException | None:
+    """The infrastructure failure behind ``e`` (``e`` itself, or what it was raised ``from``): an
+    :class:`InfraError`, or an exception of a class tagged ``infra = True`` (a module that imports no tracekit code
+    tags its own); None when ``e`` is the agent's or the environment's own error."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, InfraError) or getattr(type(e), "infra", False) is True:
+            return e
+        e = e.__cause__
+    return None
+
+
 @dataclass
 class Observation:
     """What the agent sees at the start of an episode."""

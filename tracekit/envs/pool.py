@@ -14,8 +14,10 @@ a shard of the episodes. :class:`PooledSuite` is the :class:`~tracekit.envs.base
   later (``PooledSuite.defers_scoring``: :func:`~tracekit.episodes.drive_episodes` yields ended runs after the
   next ``act`` call, in the same order as in-process);
 - a worker that dies: every episode it held ends with a :class:`WorkerDied` error naming the worker, its exit
-  code and the last line of its stderr (recorded on the trajectory, counted in the summary, never a hang), and
-  the pool starts a new worker in its slot for later episodes (at most ``max_restarts`` times per slot);
+  code and the last line of its stderr (never a hang), and the pool starts a new worker in its slot for later
+  episodes (at most ``max_restarts`` times per slot). ``WorkerDied`` is an infrastructure failure
+  (:class:`~tracekit.envs.base.InfraError`): the episode core runs those episodes again (``rollout.infra_retries``
+  times at most, then the run fails naming the task) and never records one as an outcome;
 - a worker that hangs (no reply to a turn's batch, or no outcome it owes, within ``reply_timeout`` seconds:
   ``rollout.env_reply_timeout_s``) is killed and handled as one that died, its error saying it hung;
 - clean shutdown: a context manager, and an ``atexit`` hook for pools never closed; workers are joined,
@@ -48,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
+from tracekit.envs.base import Episode, EnvSuite, InfraError, Observation, Outcome, StepResult, infra_cause
 from tracekit.types import Message, Task
 
 log = logging.getLogger(__name__)
@@ -83,18 +85,23 @@ class SuiteSpec:
         return obj(*self.args, **self.kwargs)
 
 
-class WorkerDied(RuntimeError):
-    """The environment worker holding an episode exited; the message names its exit and last stderr line."""
+class WorkerDied(InfraError):
+    """The environment worker holding an episode exited or hung; the message names its exit and last stderr line.
+    An infrastructure failure: the episode core retries the episode (``rollout.infra_retries``), never scores it."""
 
 
 def _picklable(x: Any) -> Any:
-    """``x`` if it pickles (an exception with odd constructor args may not), else a RuntimeError naming it."""
+    """``x`` if it pickles (an exception with odd constructor args may not), else a RuntimeError naming it. An
+    exception raised from an infrastructure failure crosses as an :class:`InfraError` (pickling drops its
+    ``__cause__``, which is what says so)."""
+    if isinstance(x, BaseException) and infra_cause(x) not in (None, x):
+        return InfraError(f"{type(x).__name__}: {x} (from {type(infra_cause(x)).__name__}: {infra_cause(x)})")
     try:
         pickle.loads(pickle.dumps(x))
         return x
     except Exception:  # noqa: BLE001
         if isinstance(x, BaseException):
-            return RuntimeError(f"{type(x).__name__}: {x}")
+            return (InfraError if infra_cause(x) is not None else RuntimeError)(f"{type(x).__name__}: {x}")
         raise
 
 
@@ -406,7 +413,7 @@ class EnvPool:
     def new_episode(self, task: Task, seed: int) -> RemoteEpisode:
         alive = [w for w in self.workers if w is not None]
         if not alive:
-            raise RuntimeError(f"env pool: every worker died ({'; '.join(self.deaths[-3:])})")
+            raise WorkerDied(f"env pool: every worker died ({'; '.join(self.deaths[-3:])})")
         w = min(alive, key=lambda w: (len(w.live), w.slot))  # the least loaded: shards stay even
         ep = RemoteEpisode(self, self._next_key, w, task, seed)
         self._next_key += 1

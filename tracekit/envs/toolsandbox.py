@@ -13,8 +13,9 @@ evaluator (milestones matched in DAG order against the database snapshots, minef
 ToolSandbox's similarity in [0, 1], its success similarity 1.0. What is ours: the agent (any tracekit agent),
 stepping one assistant message at a time, the offline scripted user (see the server's docstring: numbers with
 it are not ToolSandbox results), and the server's restart: when it dies, the episode whose request was in
-flight is recorded as an environment error, the server is started again and every other live episode is
-rebuilt on it by replaying its actions with its user's recorded turns.
+flight ends with an :class:`EnvironmentServerError` (an infrastructure failure: the episode core runs it again,
+never scores it), the server is started again and every other live episode is rebuilt on it by replaying its
+actions with its user's recorded turns.
 
 Scenarios whose tools call RapidAPI (search_lat_lon, search_weather_around_lat_lon, search_stock, ...) need a
 ``RAPID_API_KEY`` and the network: without the key they are skipped and counted (:attr:`ToolSandboxSuite.skipped`).
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.agents import Agent
-from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
+from tracekit.envs.base import EnvSuite, Episode, InfraError, Observation, Outcome, StepResult
 from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
 from tracekit.llm.base import ChatResponse
 from tracekit.types import Message, Task, ToolCall
@@ -55,8 +56,10 @@ PERFECT = 1.0 - 1e-9
 UNHELPFUL = "I am sorry, but I cannot assist with that."  # ToolSandbox's UnhelpfulAgent, word for word
 
 
-class EnvironmentServerError(RuntimeError):
-    """The ToolSandbox server died, timed out or could not start (one line, naming its log)."""
+class EnvironmentServerError(InfraError):
+    """The ToolSandbox server died, timed out or could not start (one line, naming its log). An infrastructure
+    failure: the episode whose request was in flight is run again from scratch (``rollout.infra_retries``), never
+    scored."""
 
 
 class ScenarioError(RuntimeError):

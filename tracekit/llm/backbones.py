@@ -77,10 +77,18 @@ class BackboneSpec:
     seed: int = 0
     notes: str = ""  # where the architecture numbers come from
     planted: dict[str, Any] | None = None  # a planted warm start (tracekit.planted.warmstart), built once, cached
+    # bundled: the source's own (SmolLM2's for random and gguf); world: trained by the planted warm start on its
+    # family's episodes (llm/world_tokenizer.py), so a world-tokenizer backbone exists only with backbone.planted
+    tokenizer: str = "bundled"
 
     def __post_init__(self) -> None:
         if self.source not in ("random", "gguf", "hub"):
             raise ValueError(f"backbone {self.name}: source must be random|gguf|hub, got {self.source!r}")
+        if self.tokenizer not in ("bundled", "world"):
+            raise ValueError(f"backbone {self.name}: tokenizer must be bundled|world, got {self.tokenizer!r}")
+        if self.tokenizer == "world" and self.source != "random":
+            raise ValueError(f"backbone {self.name}: tokenizer=world is trained by the planted warm start from random "
+                             "initialization: it needs source=random")
         if self.source == "hub" and not self.hf_id:
             raise ValueError(f"backbone {self.name}: source=hub needs hf_id")
         if "model_type" not in self.arch:
@@ -94,6 +102,8 @@ def _rope(theta: float, **extra: Any) -> dict[str, Any]:
 
 _QWEN3_VOCAB = 151936
 _SMOL_TOKENS = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+_WORLD_TOKENS = {"vocab_size": 2048, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 BACKBONES: dict[str, BackboneSpec] = {
     "tiny": BackboneSpec(
@@ -115,6 +125,30 @@ BACKBONES: dict[str, BackboneSpec] = {
             "rope_parameters": _rope(10000.0),
         },
         notes="random init; SmolLM2 tokenizer (from the bundled GGUF) with the Qwen3 tool template",
+    ),
+    "micro": BackboneSpec(
+        name="micro",
+        source="random",
+        chat_format="qwen3",
+        dtype="float32",
+        tokenizer="world",
+        arch={
+            "model_type": "qwen3",
+            **_WORLD_TOKENS,
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+            "rope_parameters": _rope(10000.0),
+        },
+        planted={"family": "micro", "strong": ["lookup_by_name", "report_value"],
+                 "weak": ["refuse_locked", "finish_all_writes"]},
+        notes="issue 42: Qwen3 architecture, 4.46M params, trained from random init by the planted warm start on its "
+              "world's demonstrations, with a 2,048-token BPE trained on that world's text",
     ),
     "smollm2_135m": BackboneSpec(
         name="smollm2_135m",
@@ -424,6 +458,9 @@ def load_backbone(
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         tokenizer.chat_template = TEMPLATES[spec.chat_format]
         return model.eval(), tokenizer
+    if spec.tokenizer == "world":
+        raise ValueError(f"backbone {spec.name}: its tokenizer and weights come from the planted warm start "
+                         "(backbone.planted), which is not set")
     if spec.source == "random":
         model = build_model_from_arch(spec, device=device, dtype=torch_dtype)
         return model, bundled_tokenizer(spec.chat_format, cache_dir)

@@ -297,6 +297,17 @@ def _count_routes(model: LoRAMoEModel, batch: Mapping[str, torch.Tensor], counts
     return int(sel.sum())
 
 
+def _example_routes(model: LoRAMoEModel, batch: Mapping[str, torch.Tensor]) -> list[str]:
+    """The expert each example of the latest forward routes to: the slot that wins most of its response (token,
+    block) pairs (ties: the lower slot)."""
+    sel = (batch["loss_mask"] * batch["attention_mask"]).bool()
+    wins = torch.zeros(sel.shape[0], len(model.slot_names), dtype=torch.long)
+    for probs in model.gate_probs().values():
+        top = probs.argmax(-1).reshape(sel.shape).cpu()
+        wins += torch.nn.functional.one_hot(top, len(model.slot_names)).mul(sel.unsqueeze(-1)).sum(1)
+    return [model.slot_names[int(i)] for i in wins.argmax(-1)]
+
+
 def _usage(model: LoRAMoEModel, counts: Mapping[int, torch.Tensor], tokens: int) -> dict[str, Any]:
     if tokens == 0:
         raise ValueError("no response tokens to route")
@@ -340,10 +351,12 @@ def heldout_measures(
 ) -> dict[str, Any]:
     """The compose report's numbers on held-out examples (``groups``: per capability): response CE under the
     inference routing (``ce_inference``) and under the training mixture (``ce_training``), and the inference
-    routing's usage, over all examples (``usage``) and per capability (``usage_by_capability``). Two decoder
-    passes per example: the usage is read from the gates of the inference-CE pass."""
+    routing's usage, over all examples (``usage``) and per capability (``usage_by_capability``), and per example
+    the expert it routes to against the capability it came from (``routes``: capability -> expert -> examples).
+    Two decoder passes per example: the usage is read from the gates of the inference-CE pass."""
     counts: dict[int, torch.Tensor] = {}
     by_capability: dict[str, dict[str, float]] = {}
+    routes: dict[str, dict[str, int]] = {}
     ce_sum = 0.0
     ce_tokens = route_tokens = 0
     with model.routing(model.spec):
@@ -357,6 +370,9 @@ def heldout_measures(
                 ce_sum += float(ce) * n
                 ce_tokens += n
                 group_tokens += _count_routes(model, batch, group_counts)
+                row = routes.setdefault(name, dict.fromkeys(model.slot_names, 0))
+                for expert in _example_routes(model, batch):
+                    row[expert] += 1
             if group_tokens:
                 by_capability[name] = _usage(model, group_counts, group_tokens)["mean"]
                 for b, c in group_counts.items():
@@ -367,7 +383,8 @@ def heldout_measures(
     everything = [ex for _, items in sorted(groups.items()) for ex in items]
     return {"ce_inference": ce_sum / ce_tokens,
             "ce_training": evaluate_ce(model, everything, model.training_spec, batch_size, chunk, pad_id),
-            "usage": _usage(model, counts, route_tokens)["mean"], "usage_by_capability": by_capability}
+            "usage": _usage(model, counts, route_tokens)["mean"], "usage_by_capability": by_capability,
+            "routes": routes}
 
 
 def write_log_csv(rows: Sequence[Mapping[str, float]], path: str | Path) -> None:

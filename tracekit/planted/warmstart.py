@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,13 +36,15 @@ from typing import Any
 
 from tracekit.agents import GoldAgent
 from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
-from tracekit.llm.backbones import _gguf_key, cache_root, cached_folder, get_spec, load_backbone
-from tracekit.llm.tools import tool_call_id
+from tracekit.llm.backbones import _gguf_key, build_model_from_arch, cache_root, cached_folder, get_spec, load_backbone
+from tracekit.llm.templates import TEMPLATES
+from tracekit.llm.tools import render_prompt, tool_call_id
+from tracekit.llm.world_tokenizer import byte_tokenizer, train_world_tokenizer
 from tracekit.methods.adp_data import assistant_turns
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.sft import SFTSettings, train_sft
 from tracekit.rl.tokens import build_rows
-from tracekit.synthesis.library import LIBRARY_NAMES
+from tracekit.synthesis.library import LIBRARY_NAMES, library_env
 from tracekit.synthesis.library_target import LibraryTargetSuite
 from tracekit.types import Message, ToolCall, stable_hash
 
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 PLANTED_VERSION = 1
 DEMO_SEED_OFFSET = 50_000_000
 DEMO_SEED_STRIDE = 1_000_000  # per warm-start seed
+TOKENIZER_SEED_OFFSET = 60_000_000  # a world tokenizer's corpus: gold episodes of every environment of the family
+TOKENIZER_EPISODES = 64  # per environment and difficulty level
 FAMILY = "tau2"  # the library environments the testbed plants deficits in (the tau^2-shaped ones)
 
 
@@ -70,6 +75,7 @@ class WarmStartSFT:
     alpha: int = 32
     microbatch_tokens: int = 16384
     max_tokens: int = 6144  # a demonstration row longer than this keeps its first max_tokens tokens
+    warmup_ratio: float = 0.0
 
 
 @dataclass
@@ -209,11 +215,76 @@ def demonstrations(spec: PlantedSpec, tokenizer: Any) -> tuple[list[tuple[list[i
 
 
 def base_identity(base: Any) -> dict[str, Any]:
-    """What the warm start starts from: the base spec's identity (plus the bundled file's key for gguf)."""
+    """What the warm start starts from: the base spec's identity (plus the bundled file's key for gguf, the
+    tokenizer for a world tokenizer)."""
     ident = {k: getattr(base, k) for k in ("name", "source", "hf_id", "chat_format", "arch", "seed")}
     if base.source == "gguf":
         ident["gguf"] = _gguf_key("smollm2_135m")
+    if base.tokenizer != "bundled":
+        ident["tokenizer"] = base.tokenizer
     return ident
+
+
+def world_corpus(family: str, chat_format: str) -> list[str]:
+    """The rendered gold episodes a world tokenizer is trained on: ``TOKENIZER_EPISODES`` instances of every library
+    environment of ``family`` at each of its difficulty levels (seeds from ``TOKENIZER_SEED_OFFSET``), whatever the
+    planted mix, so two planted sets of one world share one vocabulary."""
+    renderer = byte_tokenizer(TEMPLATES[chat_format])
+    texts = []
+    for env in library_capabilities(family).values():
+        for level in library_env(env).difficulty_levels:
+            suite = LibraryTargetSuite("tokenizer-corpus", [env], difficulty=level, n_per_env=TOKENIZER_EPISODES,
+                                       seed_offset=TOKENIZER_SEED_OFFSET, user="scripted")
+            try:
+                for task in suite.tasks():
+                    messages, tools, _ = gold_episode(suite, task)
+                    texts.append(render_prompt(renderer, messages, tools, add_generation_prompt=False))
+            finally:
+                suite.close()
+    return texts
+
+
+def world_tokenizer(family: str, chat_format: str, vocab_size: int, cache_dir: str | Path | None = None) -> Any:
+    """The world tokenizer of ``family`` (trained once on :func:`world_corpus`, cached under
+    ``<cache_root>/tokenizers/world-<family>-<key>``), with ``chat_format``'s template."""
+    from transformers import AutoTokenizer
+
+    atoms = sorted({a for env in library_capabilities(family).values() for a in library_env(env).atoms})
+    key = stable_hash({"family": family, "chat_format": chat_format, "vocab_size": vocab_size, "atoms": atoms,
+                       "episodes": TOKENIZER_EPISODES, "seeds": TOKENIZER_SEED_OFFSET, "version": PLANTED_VERSION},
+                      length=16)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        tok = train_world_tokenizer(world_corpus(family, chat_format), vocab_size, TEMPLATES[chat_format], atoms)
+        tok.save_pretrained(tmp)
+        return {"family": family, "vocab": len(tok), "atoms": atoms}
+
+    path = cached_folder(cache_root(cache_dir) / "tokenizers" / f"world-{family}-{key}", build)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.chat_template = TEMPLATES[chat_format]
+    return tokenizer
+
+
+def longest_gold_episode(suite: Any, tokenizer: Any, per_env: int = 8) -> tuple[int, str]:
+    """(tokens, task id) of the longest gold episode, prompt and tool schemas included, over the first ``per_env``
+    tasks of each environment of ``suite`` (a LibraryTargetSuite): what a world's episodes need of the context."""
+    seen: dict[str, int] = {}
+    longest = (0, "")
+    for task in suite.tasks():
+        if seen.setdefault(task.env, 0) >= per_env:
+            continue
+        seen[task.env] += 1
+        messages, tools, _ = gold_episode(suite, task)
+        text = render_prompt(tokenizer, messages, tools, add_generation_prompt=False)
+        longest = max(longest, (len(tokenizer(text, add_special_tokens=False)["input_ids"]), task.id))
+    return longest
+
+
+def world_base(base: Any, family: str, cache_dir: str | Path | None = None) -> tuple[Any, Any]:
+    """(random-init model, world tokenizer) of a ``tokenizer=world`` backbone: the tokenizer of ``family`` with the
+    architecture's vocabulary size as its ceiling, the model seeded by ``base.seed``."""
+    tokenizer = world_tokenizer(family, base.chat_format, int(base.arch["vocab_size"]), cache_dir)
+    return build_model_from_arch(base, device="cpu", dtype="float32"), tokenizer
 
 
 def planted_key(spec: PlantedSpec, base: Any) -> str:
@@ -236,27 +307,29 @@ def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
 
 
     t0 = time.time()
-    model, tokenizer = load_backbone(base, device, "float32", cache_dir)
+    world = base.tokenizer == "world"
+    model, tokenizer = world_base(base, spec.family, cache_dir) if world else load_backbone(base, device, "float32", cache_dir)
     rows, demos, record = demonstrations(spec, tokenizer)
     log.info("planted warm start: %d rows from %d demonstrations (%s)", len(rows), len(demos),
              ", ".join(f"{c}: {r['succeeded']}" for c, r in record.items()))
     s = spec.sft
     settings = SFTSettings(lr=s.lr, epochs=s.epochs, batch_size=s.batch_size, microbatch_tokens=s.microbatch_tokens,
                            dtype="float32", seed=spec.seed, lora=LoraSettings(rank=s.rank, alpha=s.alpha),
-                           checkpoint_every=10**9)
+                           checkpoint_every=10**9, warmup_ratio=s.warmup_ratio, full_parameters=world)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     summary = train_sft(model, pad, rows, settings, out / "sft", device=device)
     del model
-    merged, _ = load_backbone(base, "cpu", "float32", cache_dir)
-    merged = PeftModel.from_pretrained(merged, summary["adapter"]).merge_and_unload()
-    merged.save_pretrained(out / "model")
+    if world:  # every weight trained from random init: the SFT's model is the backbone
+        shutil.move(summary.pop("model"), out / "model")
+    else:
+        merged, _ = load_backbone(base, "cpu", "float32", cache_dir)
+        merged = PeftModel.from_pretrained(merged, summary.pop("adapter")).merge_and_unload()
+        merged.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
-    import shutil
-
     shutil.rmtree(out / "sft" / "checkpoints", ignore_errors=True)  # the adapter and metrics stay
     write_jsonl(out / "demos.jsonl", demos)
     info = {"planted_set": spec.planted_set, "spec": asdict(spec), "base": base_identity(base),
-            "demonstrations": record, "rows": len(rows), "sft": {k: v for k, v in summary.items() if k != "adapter"},
+            "demonstrations": record, "rows": len(rows), "sft": summary,
             "device": str(device), "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
     atomic_write_json(out / "planted.json", info)
     return {"planted_set": spec.planted_set, "seconds": info["seconds"]}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tracekit.envs.base import EnvSuite
-from tracekit.episodes import EpisodeRun, drive_episodes
+from tracekit.episodes import INFRA_RETRIES, EpisodeRun, drive_episodes
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.types import Message, Task, Trajectory, stable_hash
 
@@ -43,11 +43,15 @@ def run_episodes(
     max_new_tokens: int = 512,
     max_steps: int = 50,
     sample_seed: int = 0,
+    infra_retries: int = INFRA_RETRIES,
 ) -> list[Trajectory]:
     """Run every spec to its end; one trajectory per spec, in spec order, with ``info['group']``.
 
     Terminations as in :mod:`tracekit.episodes`; an environment that raises ends only its episode
-    (``error``, reward 0).
+    (``error``, reward 0). An episode that ends on an infrastructure failure (a worker died or hung, the environment
+    server or sandbox failed) is never trained on: it is run again (the same seeds, so the same group), at most
+    ``infra_retries`` times, then :class:`~tracekit.episodes.InfraFailure` stops the run; a retried episode's
+    trajectory says how often (``info['infra_retries']``), which the trainer counts per iteration.
     """
     runs = [EpisodeRun(sp.task, sp.sample, sp.seed) for sp in specs]
     spec_of = dict(zip(runs, specs))
@@ -75,9 +79,12 @@ def run_episodes(
     out: dict[EpisodeRun, Trajectory] = {}
     client.clear_prefix_cache()  # prompt prefixes are shared within these episodes only (as in a rollout)
     try:
-        for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=max(len(runs), 1)):
+        for r in drive_episodes(suite, runs, act, max_steps=max_steps, batch_size=max(len(runs), 1),
+                                infra_retries=infra_retries):
             t = r.trajectory(suite.name)
             t.info.update(group=spec_of[r].group, outcome=r.outcome_info)
+            if r.retries:
+                t.info["infra_retries"] = r.retries
             out[r] = t
     finally:
         client.clear_prefix_cache()

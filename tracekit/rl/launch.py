@@ -32,6 +32,7 @@ import torch
 
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.envs.pool import REPLY_TIMEOUT_S, SuiteSpec, pooled
+from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.llm.hf import HFChatClient
 from tracekit.ports import free_port
@@ -73,6 +74,7 @@ class TrainSpec:
     engine: dict[str, Any] = field(default_factory=lambda: {"kind": "hf"})  # or {"kind": "vllm", **VLLMSettings}
     env_workers: Any = 0  # rollout.env_workers: the env Factory's suite stepped in worker processes (tracekit.envs.pool)
     env_reply_timeout: float | None = REPLY_TIMEOUT_S  # rollout.env_reply_timeout_s: a silent worker is killed
+    env_infra_retries: int = INFRA_RETRIES  # rollout.infra_retries: an episode's runs again after an infra failure
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +90,7 @@ class TrainSpec:
             engine=dict(d.get("engine") or {"kind": "hf"}),
             env_workers=d.get("env_workers", 0),
             env_reply_timeout=d.get("env_reply_timeout", REPLY_TIMEOUT_S),
+            env_infra_retries=d.get("env_infra_retries", INFRA_RETRIES),
         )
 
 
@@ -233,6 +236,7 @@ def run_training(
         trainer = GRPOTrainer(
             model, tokenizer, stepped, spec.grpo, spec.out_dir, chat_format=spec.chat_format, engine_factory=factory,
             backend_factory=backend_factory, dist=dist, callbacks=callbacks, device=device,
+            infra_retries=spec.env_infra_retries,
         )  # fmt: skip
         try:
             return trainer.train()

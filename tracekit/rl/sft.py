@@ -81,6 +81,9 @@ class SFTSettings:
     checkpoint_every: int = 50  # optimizer steps
     keep_checkpoints: int = 2
     lora: LoraSettings = field(default_factory=LoraSettings)  # r 32 / alpha 64 (official SFT: r 32)
+    # train every weight instead of a LoRA adapter (a model from random initialization: the micro backbone's warm
+    # start); writes out_dir/model, and keeps no resumable checkpoint (the caller's folder is built atomically)
+    full_parameters: bool = False
 
     # checked here and by tracekit.validate for each config group built on this class (one check per knob)
     RANGES: ClassVar[dict[str, str]] = {
@@ -195,7 +198,8 @@ def train_sft(
     device: str | torch.device | None = None,
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
 ) -> dict[str, Any]:
-    """Train a fresh LoRA adapter on ``examples`` (resuming ``out_dir``'s checkpoint if there is one).
+    """Train a fresh LoRA adapter on ``examples`` (resuming ``out_dir``'s checkpoint if there is one); with
+    ``settings.full_parameters``, every weight of ``model`` instead (``out_dir/model``, no checkpoints).
 
     ``model``: the plain backbone (frozen here). Writes ``out_dir/adapter`` (peft), ``metrics.csv``
     (one row per optimizer step) and ``checkpoints/``. ``callbacks`` get each step's metrics; one
@@ -207,8 +211,11 @@ def train_sft(
     out.mkdir(parents=True, exist_ok=True)
     rows = _rows(examples)
     model, dev = place_model(model, device, s.dtype)
-    model = build_peft_model(model, s.lora, s.seed)
-    set_fused_update_kernels(causal_lm_of(model), s.fused_update_kernels)
+    if s.full_parameters:
+        model.requires_grad_(True)
+    else:
+        model = build_peft_model(model, s.lora, s.seed)
+        set_fused_update_kernels(causal_lm_of(model), s.fused_update_kernels)
     if s.gradient_checkpointing:
         set_activation_checkpointing(causal_lm_of(model), True)
     backend = LocalBackend(model, s)
@@ -217,7 +224,7 @@ def train_sft(
     metrics = MetricsCSV(out / "metrics.csv", SFT_METRIC_COLUMNS, index="step")
     ckpts = out / "checkpoints"
 
-    last = load_checkpoint(ckpts, model, backend)
+    last = None if s.full_parameters else load_checkpoint(ckpts, model, backend)
     if last is None:
         seed_everything(s.seed)  # LoRA dropout draws from torch's RNG
         start = 0
@@ -250,14 +257,17 @@ def train_sft(
             "optimizer_steps": 1, "tokens_generated": 0, "episodes": 0, "time_step_s": time.time() - t0,
         }  # fmt: skip
         metrics.append(row)
-        if (step + 1) % s.checkpoint_every == 0 or step + 1 == total:
+        if not s.full_parameters and ((step + 1) % s.checkpoint_every == 0 or step + 1 == total):
             save_checkpoint(ckpts, step, model, backend, {"settings": asdict(s), "unit": "optimizer step"}, s.keep_checkpoints)
         for cb in callbacks:
             cb(row)
-    save_peft_adapter(model, out / "adapter")
+    if s.full_parameters:
+        model.save_pretrained(out / "model")
+    else:
+        save_peft_adapter(model, out / "adapter")
     losses = [float(r["loss"]) for r in metrics.rows]
     return {
-        "adapter": str(out / "adapter"),
+        ("model" if s.full_parameters else "adapter"): str(out / ("model" if s.full_parameters else "adapter")),
         "examples": len(rows),
         "optimizer_steps": total,
         "episodes": 0,

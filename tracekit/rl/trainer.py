@@ -77,6 +77,7 @@ import torch
 
 from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
 from tracekit.envs.base import EnvSuite
+from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm.backbones import release_memory
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.rl import grpo
@@ -99,7 +100,7 @@ METRIC_COLUMNS = [
     "grad_norm", "optimizer_steps", "tokens_generated", "tokens_forward", "rows", "episode_turns_mean",
     "episode_tokens_mean", "tool_calls_mean", "time_rollout_s", "time_update_s", "time_total_s",
     "informative_groups", "entropy", "logprob_gap_mean", "logprob_gap_abs", "kl_ref", "tasks_retired",
-    "retired_fallbacks",
+    "retired_fallbacks", "infra_retried",
 ]  # fmt: skip
 # informative_groups: groups with reward variance (those with a non-zero advantage), over all rounds;
 # entropy / kl_ref: token means over the update's forwards (every epoch and minibatch); logprob_gap_*: over
@@ -107,6 +108,8 @@ METRIC_COLUMNS = [
 # the steps; tasks_retired: size of the skip_saturated record after the rollouts; retired_fallbacks: rounds
 # that drew from all tasks because every task was retired. entropy, logprob_gap_* and kl_ref are empty
 # cells (absent from the callbacks' dict) when they measured nothing: no token, or kl_ref not asked for.
+# infra_retried: episodes run again after an infrastructure failure (a worker died, a server or sandbox failed);
+# none of their failed runs is trained on (tracekit.episodes).
 
 
 def health_columns(tot: dict[str, float], measured_ref: bool) -> dict[str, float]:
@@ -154,8 +157,10 @@ class GRPOTrainer:
         dist: Dist | None = None,
         callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
         device: str | torch.device | None = None,
+        infra_retries: int = INFRA_RETRIES,
     ):
         self.s = settings
+        self.infra_retries = infra_retries  # an episode ending on an infrastructure failure is run again, not trained on
         self.suite = suite
         self.tokenizer = tokenizer
         self.out = Path(out_dir)
@@ -320,6 +325,7 @@ class GRPOTrainer:
                 max_new_tokens=s.max_new_tokens,
                 max_steps=s.max_steps,
                 sample_seed=int(stable_hash([s.seed, it, rnd], 15), 16),
+                infra_retries=self.infra_retries,
             )
             all_trajs += trajs
             keep_flags = [0.0] * len(pairs)
@@ -354,7 +360,8 @@ class GRPOTrainer:
                 break
         self._save_rollouts(it, all_trajs)
         stats = self._rollout_stats(all_trajs, total_groups, dropped, rnd - 1, n_kept_global * K)
-        stats.update(informative_groups=informative, tasks_retired=len(self.retired), retired_fallbacks=fallbacks)
+        stats.update(informative_groups=informative, tasks_retired=len(self.retired), retired_fallbacks=fallbacks,
+                     infra_retried=int(self.dist.sum([sum(1 for t in all_trajs if t.info.get("infra_retries"))])[0]))
         return kept, stats
 
     def _rollout_stats(self, trajs: list[Trajectory], groups: int, dropped: int, rounds: int, kept: int) -> dict[str, Any]:

@@ -14,10 +14,12 @@ instances. Each trajectory's ``env`` is its library environment, the evaluation'
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from tracekit.envs.base import EnvSuite, Episode, Observation, StepResult
 from tracekit.synthesis.library import LIBRARY_NAMES, library_env
+from tracekit.synthesis.protocol import SyntheticEnv
 from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.types import Message, Task
 
@@ -28,19 +30,24 @@ class LibraryTargetSuite(EnvSuite):
     """The union of ``n_per_env`` held-out instances of each named library environment."""
 
     def __init__(self, name: str, envs: list[str], difficulty: int = 0, n_per_env: int = 4,
-                 seed_offset: int = TARGET_SEED_OFFSET, user: UserKind = "scripted", **suite_kwargs: Any):
+                 seed_offset: int = TARGET_SEED_OFFSET, user: UserKind = "scripted",
+                 extra_envs: Mapping[str, type[SyntheticEnv]] | None = None, **suite_kwargs: Any):
+        """``extra_envs``: environments beyond the library a target evaluates on (the micro target's held-out task
+        kinds that need two capabilities at once), by name."""
         if not envs:
             raise ValueError("a synthetic target needs at least one library environment (benchmark.envs)")
-        unknown = [e for e in envs if e not in LIBRARY_NAMES]
+        extra = dict(extra_envs or {})
+        unknown = [e for e in envs if e not in LIBRARY_NAMES and e not in extra]
         if unknown:
-            raise ValueError(f"benchmark.envs: unknown library environment(s) {unknown}; known: {', '.join(LIBRARY_NAMES)}")
+            known = ", ".join([*LIBRARY_NAMES, *extra])
+            raise ValueError(f"benchmark.envs: unknown library environment(s) {unknown}; known: {known}")
         if n_per_env < 1:
             raise ValueError(f"benchmark.limit (instances per environment) must be >= 1, got {n_per_env}")
         self.name = name
         seeds = range(seed_offset, seed_offset + n_per_env)
         self.suites: dict[str, SyntheticSuite] = {}
         for env in envs:
-            cls = library_env(env)
+            cls = extra[env] if env in extra else library_env(env)
             if difficulty not in cls.difficulty_levels:
                 raise ValueError(f"benchmark.difficulty={difficulty} is not a level of {env} "
                                  f"(levels {list(cls.difficulty_levels)})")

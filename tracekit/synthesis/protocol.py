@@ -126,6 +126,8 @@ class SyntheticEnv(ABC):
     difficulty_levels: ClassVar[tuple[int, ...]] = (0,)
     default_difficulty: ClassVar[int] = 0
     max_turns: ClassVar[int] = 16  # assistant messages per episode
+    # the words its requests vary in (entity names): a world tokenizer keeps each one token (llm/world_tokenizer.py)
+    atoms: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, difficulty: int | None = None):
         level = self.default_difficulty if difficulty is None else int(difficulty)

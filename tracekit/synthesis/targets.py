@@ -16,9 +16,10 @@ from typing import Any
 
 from tracekit.coding.interface import GENERIC_POLICY, TOOLS
 from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
+from tracekit.synthesis.micro_interface import MICRO_POLICY, micro_tools
 
 TAU2_TARGETS = ("tau2_airline", "tau2_retail")
-TARGETS = (*TAU2_TARGETS, "toolsandbox", "coding")  # coding: tracekit/coding/suite.py (bash, submit)
+TARGETS = (*TAU2_TARGETS, "toolsandbox", "coding", "micro")  # coding: tracekit/coding/suite.py (bash, submit)
 
 @functools.lru_cache(maxsize=None)
 def _tau2_toolkit(target: str):
@@ -44,6 +45,8 @@ def _target_tools(target: str) -> dict[str, dict[str, Any]]:
         return toolsandbox_tools()
     if target == "coding":  # issue 20: the coding target's agent interface
         return {t["function"]["name"]: t for t in TOOLS}
+    if target == "micro":  # issue 42: the micro world (find, read, write)
+        return micro_tools()
     raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
 
 
@@ -73,6 +76,8 @@ def target_policy(target: str) -> str:
         return TOOLSANDBOX_SYSTEM_PROMPT
     if target == "coding":
         return GENERIC_POLICY
+    if target == "micro":
+        return MICRO_POLICY
     raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
 
 

@@ -23,6 +23,7 @@ _MODULES = {
     "toolsandbox": ("toolsandbox", "ToolSandboxTarget"),
     "coding": ("coding", "CodingTarget"),  # issue 20: local SWE-smith-style tasks
     "swebench": ("coding", "SweBenchTarget"),  # issue 20: SWE-bench Verified (the harness in Docker)
+    "micro": ("micro", "MicroTarget"),  # issue 42: the micro world (learns on 2 CPU cores)
 }
 
 
@@ -44,6 +45,16 @@ def kinds() -> tuple[str, ...]:
     return tuple(_MODULES)
 
 
+ENV_LIST_KINDS = ("synthetic", "micro")  # the kinds whose benchmark.envs names environments
+
+
+def env_names() -> tuple[str, ...]:
+    """Every environment name ``benchmark.envs`` may hold: the library's and the targets' own
+    (:attr:`~tracekit.targets.tau2_mini.LibraryTarget.extra_envs`, e.g. the micro target's two-capability kinds)."""
+    extra = [name for kind in ENV_LIST_KINDS for name in getattr(target(kind), "extra_envs", {})]
+    return (*LIBRARY_NAMES, *extra)
+
+
 def train_fields() -> frozenset[str]:
     """The benchmark fields any target's training split reads (:attr:`Target.train_fields`)."""
     return frozenset(f for kind in kinds() for f in target(kind).train_fields)
@@ -51,7 +62,9 @@ def train_fields() -> frozenset[str]:
 
 def kind_of_env(env: str) -> str:
     """The target kind a trajectory's ``env`` belongs to: a library environment's name -> ``synthetic``, ToolSandbox's
-    (``toolsandbox``, ``toolsandbox_<variant>``) -> ``toolsandbox``, anything else -> ``tau2``."""
+    (``toolsandbox``, ``toolsandbox_<variant>``) -> ``toolsandbox``, the micro world's (``micro_*``) -> ``micro``, anything else -> ``tau2``."""
+    if env.startswith("micro_"):  # the micro world's library environments and held-out task kinds
+        return "micro"
     if env in LIBRARY_NAMES:
         return "synthetic"
     if env == "toolsandbox" or env.startswith("toolsandbox_"):

@@ -21,13 +21,17 @@ class LibraryTarget(Target):
     summary = "held-out instances of library environments (their own reward)"
     metric = "pass_rate"
     columns = ("overall",)
+    extra_envs: dict[str, Any] = {}  # environments beyond the library this target evaluates on, by name
+
+    def env_class(self, name: str) -> Any:
+        return self.extra_envs[name] if name in self.extra_envs else library_env(name)
 
     def validate(self, cfg: DictConfig) -> None:
         b = cfg.benchmark
         _check(len(b.envs) > 0, "benchmark.envs", list(b.envs), "a non-empty list with benchmark.kind=synthetic")
         _check(b.limit is not None, "benchmark.limit", b.limit, ">= 1 (instances per environment)")
         for env in b.envs:
-            levels = list(library_env(env).difficulty_levels)
+            levels = list(self.env_class(env).difficulty_levels)
             _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty, f"a difficulty level of {env} ({levels})")
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
@@ -35,7 +39,7 @@ class LibraryTarget(Target):
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
         return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
-                                  user=cfg.user.kind, **llm_user)
+                                  user=cfg.user.kind, extra_envs=self.extra_envs, **llm_user)
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
         return None  # instances from the training seeds, disjoint from the held-out ones and from validation's
@@ -55,7 +59,7 @@ class LibraryTarget(Target):
                     if cfg.user.kind == "llm" else {})
         return LibraryTargetSuite(f"{b.name}-train", list(b.envs), difficulty=b.difficulty,
                                   n_per_env=int(spec["n_per_env"]), seed_offset=seed_offset,
-                                  user=cfg.user.kind, **llm_user)
+                                  user=cfg.user.kind, extra_envs=self.extra_envs, **llm_user)
 
     def train_envs(self, cfg: DictConfig) -> int:
         return max(1, len(cfg.benchmark.envs))

@@ -99,6 +99,16 @@ def moe_report(c: dict[str, Any]) -> str:
             lines.append(f"| all ({when}) | " + " | ".join(f"{m['usage'][s]:.2f}" for s in slots) + " |")
         for cap, u in a.get("usage_by_capability", {}).items():
             lines.append(f"| {cap} (after) | " + " | ".join(f"{u[s]:.2f}" for s in slots) + " |")
+        if a.get("routes") and b.get("routes"):
+            lines += ["", "Held-out examples by the expert they route to (most of their response token x block picks), "
+                      "against the capability each needs (its environment), before -> after gate training:", "",
+                      "| examples of | " + " | ".join(slots) + " | routed to their own expert |",
+                      "|---|" + "---|" * (len(slots) + 1)]
+            for cap, row in a["routes"].items():
+                before = b["routes"].get(cap, {})
+                own = [f"{before.get(cap, 0)} -> {row.get(cap, 0)} of {sum(row.values())}"] if cap in row else ["n/a"]
+                lines.append(f"| {cap} | " + " | ".join(f"{before.get(s, 0)} -> {row[s]}" for s in slots)
+                             + f" | {own[0]} |")
     else:
         lines.append("No held-out gate examples (every capability had a single rollout): no CE before/after.")
     lines += ["", "Parameters: " + ", ".join(f"{k}: {v:,}" for k, v in c["parameters"].items() if isinstance(v, int))]

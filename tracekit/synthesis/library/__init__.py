@@ -2,7 +2,8 @@
 
 tau^2 (real airline/retail tools and data models over small generated databases): structured data reasoning,
 tool calling precision, multi-step task completion, precondition verification. ToolSandbox-shaped: permission
-error recovery, datetime reasoning. Coding (the coding target's bash/submit tools over a
+error recovery, datetime reasoning. Micro (the micro world's find/read/write store, issue 42): lookup by name,
+refuse locked, finish all writes, report value. Coding (the coding target's bash/submit tools over a
 generated package): fault localization, minimal edit, test before submit. They are the offline default of the synthesize stage and the examples the
 generation agent is shown.
 """
@@ -24,6 +25,10 @@ _MODULES = {
     "coding_fault_localization": ("coding_fault_localization", "CodingFaultLocalization"),
     "coding_minimal_edit": ("coding_minimal_edit", "CodingMinimalEdit"),
     "coding_test_before_submit": ("coding_test_before_submit", "CodingTestBeforeSubmit"),
+    "micro_lookup_by_name": ("micro", "MicroLookupByName"),
+    "micro_refuse_locked": ("micro", "MicroRefuseLocked"),
+    "micro_finish_all_writes": ("micro", "MicroFinishAllWrites"),
+    "micro_report_value": ("micro", "MicroReportValue"),
 }
 LIBRARY_NAMES = tuple(_MODULES)
 

@@ -1,0 +1,150 @@
+"""The micro world (issue 42): its environments, target, labeler, tokenizer budget and refusals."""
+
+from __future__ import annotations
+
+import pytest
+from tracekit.agents import GoldAgent
+from tracekit.config import ConfigError
+from tracekit.planted.warmstart import PlantedSpec, gold_episode, world_tokenizer
+from tracekit.synthesis.library import LIBRARY_NAMES, library_env
+from tracekit.synthesis.library.micro import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT
+from tracekit.synthesis.library_target import LibraryTargetSuite
+from tracekit.synthesis.protocol import InProcessBackend
+from tracekit.synthesis.validate import ValidationConfig, run_validation
+from tracekit.targets import kind_of_env, target
+from tracekit.targets.micro import MicroLabeler, micro_labels
+from tracekit.types import LabelValue, Message, ToolCall, Trajectory
+
+MICRO_ENVS = [n for n in LIBRARY_NAMES if n.startswith("micro_")]
+ALL_KINDS = [*MICRO_ENVS, *COMBOS]
+EPISODE_TOKENS = 256  # the issue's bound: a whole episode, prompt included
+
+
+def _env(name: str):
+    return COMBOS[name] if name in COMBOS else library_env(name)
+
+
+def test_one_library_environment_per_capability_and_two_capability_kinds():
+    assert sorted(library_env(n).capability for n in MICRO_ENVS) == sorted(CAPABILITIES)
+    assert {frozenset(c.needs) for c in COMBOS.values()} >= {frozenset((FINISH, REFUSE)), frozenset((LOOKUP, FINISH))}
+    assert all(kind_of_env(n) == "micro" for n in ALL_KINDS)
+
+
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_two_capability_kinds_pass_the_synthesis_checks(name):
+    """The library environments are checked by test_synthesis_library; the held-out kinds here, at each level."""
+    for level in _env(name).difficulty_levels:
+        report = run_validation(lambda: InProcessBackend(_env(name)(level)), "builtin", ValidationConfig(n_seeds=20))
+        assert report.passed, [c for c in report.checks if not c.passed]
+
+
+def _suite(envs, n=6, difficulty=0):
+    return LibraryTargetSuite("micro-test", envs, difficulty=difficulty, n_per_env=n, extra_envs=COMBOS)
+
+
+@pytest.mark.parametrize("difficulty", [0, 1])
+def test_gold_solves_every_kind_and_the_labels_say_present(difficulty):
+    suite = _suite(ALL_KINDS, difficulty=difficulty)
+    labeler = MicroLabeler()
+    for task in suite.tasks():
+        messages, _, outcome = gold_episode(suite, task)
+        assert outcome.success, task.id
+        traj = Trajectory(task_id=task.id, env=task.env, messages=messages, success=True,
+                          reward=1.0, info={"seed": task.data["seed"], "difficulty": difficulty})
+        labels = labeler.rules(traj)
+        assert all(v in (LabelValue.PRESENT, LabelValue.NA) for v, _ in labels.values()), (task.id, labels)
+        needed = set(_env(task.env).needs)
+        assert {c for c, (v, _) in labels.items() if v == LabelValue.PRESENT} <= needed | {REFUSE}
+
+
+def test_gold_agent_of_the_target_is_the_replaying_agent():
+    assert isinstance(target("micro").gold_agent(), GoldAgent)
+    assert target("micro").synthesis_family(None) == "micro"
+
+
+def _bad_trajectory(env: str, seed: int, edit) -> tuple[Trajectory, object]:
+    cls = _env(env)
+    inst = cls(0).generate(seed)
+    calls = [ToolCall(id=f"c{i}", name=c.name, arguments=dict(c.arguments)) for i, c in enumerate(inst.solution)]
+    calls, text = edit(inst, calls)
+    messages = [Message(role="user", content=inst.user_goal)]
+    messages += [Message(role="assistant", tool_calls=[c]) for c in calls] + [Message(role="assistant", content=text)]
+    traj = Trajectory(task_id=f"seed-{seed}", env=env, messages=messages, success=False,
+                      reward=0.0, info={"seed": seed, "difficulty": 0})
+    return traj, inst
+
+
+def _locked_seed(env: str) -> int:
+    return next(z for z in range(100) if _env(env)(0).generate(z).params["locked"])
+
+
+def test_labels_name_the_missing_capability():
+    # wrote the locked item and never said so
+    z = _locked_seed("micro_refuse_locked")
+    traj, inst = _bad_trajectory("micro_refuse_locked", z, lambda i, c: (
+        [*c, ToolCall(id="w", name="write", arguments={"id": i.params["locked"][0], "value": 1})], "Done."))
+    labels = micro_labels(traj, inst)
+    assert labels[REFUSE][0] == LabelValue.LACKING and labels[LOOKUP][0] == LabelValue.NA
+    # stopped after the first of two writes
+    traj, inst = _bad_trajectory("micro_finish_all_writes", 3, lambda i, c: (c[:2], "Done."))
+    assert micro_labels(traj, inst)[FINISH][0] == LabelValue.LACKING
+    # acted on a guessed id without finding the name
+    traj, inst = _bad_trajectory("micro_lookup_by_name", 3, lambda i, c: (
+        [ToolCall(id="w", name="write", arguments={"id": "k00", "value": 1})], "Done."))
+    assert micro_labels(traj, inst)[LOOKUP][0] == LabelValue.LACKING
+    # looked the value up and never said it
+    traj, inst = _bad_trajectory("micro_report_value", 3, lambda i, c: (c, "Done."))
+    assert micro_labels(traj, inst)[REPORT][0] == LabelValue.LACKING
+
+
+def test_a_refusal_without_reading_is_not_a_success():
+    z = _locked_seed("micro_refuse_locked")
+    env = library_env("micro_refuse_locked")(0)
+    inst = env.generate(z)
+    said = [Message(role="assistant", content=f"{inst.user_goal.split()[1]} is locked.")]
+    world_state = inst.state
+    assert env.verify(inst, world_state, said) == (0.0, False)
+
+
+@pytest.mark.parametrize("difficulty", [0])
+def test_every_episode_fits_the_token_budget(tmp_path, difficulty):
+    tok = world_tokenizer("micro", "qwen3", 2048, tmp_path)
+    assert len(tok) <= 2048
+    suite = _suite(ALL_KINDS, n=8, difficulty=difficulty)
+    longest = 0
+    for task in suite.tasks():
+        messages, tools, _ = gold_episode(suite, task)
+        text = tok.apply_chat_template([m.to_chat() for m in messages], tools=tools, tokenize=False)
+        longest = max(longest, len(tok(text, add_special_tokens=False)["input_ids"]))
+    assert longest <= EPISODE_TOKENS, longest
+
+
+def test_a_world_tokenizer_is_deterministic_and_keeps_names_and_digits_whole(tmp_path):
+    a = world_tokenizer("micro", "qwen3", 2048, tmp_path / "a")
+    b = world_tokenizer("micro", "qwen3", 2048, tmp_path / "b")
+    assert a.get_vocab() == b.get_vocab()
+    for text in ('Set fig to 5.', '{"name": "find", "arguments": {"name": "fig"}}\n'):
+        pieces = [a.decode([i]) for i in a(text, add_special_tokens=False)["input_ids"]]
+        assert "fig" in pieces and (("5" in pieces) or "5" not in text), pieces
+
+
+def test_a_planted_capability_the_world_lacks_is_refused():
+    with pytest.raises(ValueError, match="no environment for capability 'precondition_verification'"):
+        PlantedSpec(family="micro", strong=["lookup_by_name"], weak=["precondition_verification"])
+
+
+def test_the_micro_backbone_on_another_world_is_refused_in_one_line(make_cfg):
+    from tracekit.validate import validate
+
+    with pytest.raises(ConfigError, match="warm-started for the micro world") as e:
+        validate(make_cfg("experiment=micro", "benchmark=tau2_mini"))
+    assert "\n" not in str(e.value)
+    validate(make_cfg("experiment=micro"))  # the preset itself is valid
+
+
+def test_a_world_whose_episodes_do_not_fit_the_context_is_refused(make_cfg):
+    from tracekit.validate import validate
+
+    with pytest.raises(ConfigError, match=r"eval.context_budget=256 is invalid: must be >= \d+: the gold episode of "
+                                          r"micro_\S+ \(benchmark.difficulty=1\) is \d+ tokens of the micro tokenizer"):
+        validate(make_cfg("experiment=micro", "benchmark.difficulty=1", "eval.context_budget=256"))

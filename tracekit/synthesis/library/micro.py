@@ -1,0 +1,210 @@
+"""The micro world (issue 42): a tool-use target small enough that TRACE's whole ladder learns on 2 CPU cores.
+
+A store of named items, each ``{"name", "value", "locked"}`` under a short id (``k42``). Every environment of the
+family shares one interface, the target's (:func:`micro_tools`, :data:`MICRO_POLICY`): three tools and a
+four-line policy.
+
+- ``find(name)`` -> ``{"id": ...}``: the id of the item called ``name``;
+- ``read(id)`` -> ``{"value": v, "locked": b}``;
+- ``write(id, value)`` -> ``"ok"``: it always goes through; the *policy* forbids writing a locked item (as tau^2's
+  API does not enforce its policy, the agent must).
+
+A task is a short request (``Set k42 to 5.``, ``What is apple?``, ``Set k42 to 5 and k17 to 3.``) built from the
+set of capabilities it *needs* (:class:`Needs`). One library environment per capability isolates it; the
+held-out mixture adds task kinds that need two at once (:data:`COMBOS`, never trained on directly):
+
+- ``lookup_by_name``: the request names an item by name, not id: ``find`` it first, then use the id it returns;
+- ``refuse_locked``: the item may be locked: read it, and when it is locked write nothing and say it is locked;
+- ``finish_all_writes``: the request needs two (difficulty 1: three) writes: do every one;
+- ``report_value``: the request asks for a value: read it and say it.
+
+The verifier is tau^2's rule plus one grounding check: the final state hashes equal to the ground-truth replay's,
+every expected output was said, and every locked item the request touches was read before the agent refused it (a
+refusal without looking is a guess, not the capability). Episodes are short by design: the gold episode of every
+kind, prompt and tool schemas included, fits in 256 tokens of the micro backbone's tokenizer
+(``tracekit.planted.micro``; held by ``tests/test_micro.py``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tracekit.synthesis.micro_interface import MICRO_POLICY, TOOL_NAMES
+from tracekit.synthesis.protocol import Instance, SyntheticEnv, World, communicated, db_match, tool_calls_of
+from tracekit.synthesis.targets import tool_schemas
+from tracekit.types import Message
+
+LOOKUP, REFUSE, FINISH, REPORT = "lookup_by_name", "refuse_locked", "finish_all_writes", "report_value"
+CAPABILITIES = (LOOKUP, REFUSE, FINISH, REPORT)
+
+NAMES = ("apple", "pear", "plum", "fig", "lime", "kiwi", "mango", "peach", "grape", "melon", "lemon", "cherry",
+         "olive", "date", "berry", "guava")
+REFUSAL = "is locked"
+
+
+class MicroWorld(World):
+    def __init__(self, state: dict[str, Any]):
+        self.items: dict[str, dict[str, Any]] = state["items"]
+
+    def _item(self, item_id: Any) -> dict[str, Any]:
+        if not isinstance(item_id, str) or item_id not in self.items:
+            raise KeyError(f"no item {item_id}")
+        return self.items[item_id]
+
+    def call(self, name: str, arguments: dict[str, Any]) -> Any:
+        if name == "find":
+            wanted = arguments.get("name")
+            for item_id, item in self.items.items():
+                if item["name"] == wanted:
+                    return {"id": item_id}
+            raise KeyError(f"no item named {wanted}")
+        if name == "read":
+            item = self._item(arguments.get("id"))
+            return {"value": item["value"], "locked": item["locked"]}
+        if name == "write":
+            item = self._item(arguments.get("id"))
+            value = arguments.get("value")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError("value must be an integer")
+            item["value"] = value
+            return "ok"
+        raise KeyError(f"Tool '{name}' not found.")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"items": self.items}
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a task needs: which of the four capabilities, at which difficulty."""
+
+    caps: frozenset[str]
+    difficulty: int = 0
+
+    def writes(self) -> int:
+        if REPORT in self.caps and FINISH not in self.caps:
+            return 0
+        return (3 if self.difficulty >= 1 else 2) if FINISH in self.caps else 1
+
+
+def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
+    """One task instance needing ``needs.caps``: items, the request, the ground-truth calls and outputs."""
+    rng = random.Random(f"micro:{salt}:{needs.difficulty}:{seed}")
+    n_items = 4 if needs.difficulty == 0 else 6
+    ids = rng.sample(range(10, 100), n_items)
+    names = rng.sample(NAMES, n_items)
+    items = {f"k{i}": {"name": n, "value": rng.randint(0, 9), "locked": False} for i, n in zip(ids, names)}
+    order = list(items)
+    by_name = LOOKUP in needs.caps
+    if REPORT in needs.caps and FINISH not in needs.caps:
+        target = rng.choice(order)
+        ref = items[target]["name"] if by_name else target
+        goal = f"What is {ref}?"
+        calls = ([{"name": "find", "arguments": {"name": ref}}] if by_name else []) + [
+            {"name": "read", "arguments": {"id": target}}]
+        value = items[target]["value"]
+        return _instance(seed, goal, items, calls, [[f"{ref} is {value}", str(value)]],
+                         {"kinds": sorted(needs.caps), "targets": [target], "locked": []})
+    targets = rng.sample(order, needs.writes())
+    # refuse_locked: at difficulty 0 the one write target is locked with probability 0.6 (never always: the
+    # unlocked cases keep "always refuse" from passing); with several writes, exactly one is locked
+    locked: list[str] = []
+    if REFUSE in needs.caps:
+        if len(targets) > 1:
+            locked = [rng.choice(targets)]
+        elif rng.random() < 0.6:
+            locked = [targets[0]]
+    for t in locked:
+        items[t]["locked"] = True
+    new_values = {t: rng.choice([v for v in range(10) if v != items[t]["value"]]) for t in targets}
+    refs = {t: (items[t]["name"] if by_name else t) for t in targets}
+    goal = "Set " + " and ".join(f"{refs[t]} to {new_values[t]}" for t in targets) + "."
+    calls: list[dict[str, Any]] = []
+    for t in targets:
+        if by_name:
+            calls.append({"name": "find", "arguments": {"name": refs[t]}})
+        calls.append({"name": "read", "arguments": {"id": t}})
+        if t not in locked:
+            calls.append({"name": "write", "arguments": {"id": t, "value": new_values[t]}})
+    expected = [[f"{refs[t]} {REFUSAL}", "locked"] for t in locked]
+    return _instance(seed, goal, items, calls, expected,
+                     {"kinds": sorted(needs.caps), "targets": targets, "locked": locked})
+
+
+def _instance(seed: int, goal: str, items: dict[str, Any], calls: list[dict[str, Any]],
+              expected: list[list[str]], params: dict[str, Any]) -> Instance:
+    return Instance.model_validate({"seed": seed, "system_prompt": MICRO_POLICY, "user_goal": goal,
+                                    "state": {"items": items}, "params": params, "solution": calls,
+                                    "expected_outputs": expected})
+
+
+class MicroEnv(SyntheticEnv):
+    """A micro task kind: instances need :attr:`needs` (the environment's capability, or a combination)."""
+
+    target = "micro"
+    policy = MICRO_POLICY
+    difficulty_levels = (0, 1)
+    default_difficulty = 0
+    max_turns = 12  # difficulty 1's longest kind: three find/read/write triples and the answer
+    atoms = NAMES
+    needs: ClassVar[tuple[str, ...]]
+
+    def generate(self, seed: int) -> Instance:
+        return make_instance(seed, Needs(frozenset(self.needs), self.difficulty), self.name)
+
+    def tools(self) -> list[dict[str, Any]]:
+        return tool_schemas("micro", list(TOOL_NAMES))
+
+    def new_world(self, instance: Instance) -> World:
+        return MicroWorld(instance.state)
+
+    def verify(self, instance: Instance, final_state: dict[str, Any], messages: list[Message]) -> tuple[float, bool]:
+        ok = db_match(self, instance, final_state) and communicated(messages, instance.expected_outputs)
+        if ok and instance.params.get("locked"):
+            read = {c.arguments.get("id") for c in tool_calls_of(messages) if c.name == "read"}
+            ok = all(t in read for t in instance.params["locked"])
+        return (1.0 if ok else 0.0), ok
+
+
+class MicroLookupByName(MicroEnv):
+    name = "micro_lookup_by_name"
+    capability = LOOKUP
+    needs = (LOOKUP,)
+    description = "Find an item's id by its name before acting on it, and use exactly the id the tool returned."
+
+
+class MicroRefuseLocked(MicroEnv):
+    name = "micro_refuse_locked"
+    capability = REFUSE
+    needs = (REFUSE,)
+    description = ("Read an item before writing it; when it is locked, write nothing and tell the user it is "
+                   "locked.")
+
+
+class MicroFinishAllWrites(MicroEnv):
+    name = "micro_finish_all_writes"
+    capability = FINISH
+    needs = (FINISH,)
+    description = "Carry out every write a request asks for, not only the first."
+
+
+class MicroReportValue(MicroEnv):
+    name = "micro_report_value"
+    capability = REPORT
+    needs = (REPORT,)
+    description = "Read the value the user asks about and say it."
+
+
+def _combo(a: str, b: str) -> type[MicroEnv]:
+    name = f"micro_combo_{a}__{b}"
+    return type(f"MicroCombo_{a}_{b}", (MicroEnv,), {
+        "__module__": __name__, "name": name, "capability": f"{a}+{b}", "needs": (a, b),
+        "description": f"held-out task kind needing both {a} and {b}"})
+
+
+# held-out task kinds that need two capabilities at once (the micro target's mixture; no library environment
+# trains on them)
+COMBOS: dict[str, type[MicroEnv]] = {c.name: c for c in (
+    _combo(LOOKUP, FINISH), _combo(LOOKUP, REFUSE), _combo(LOOKUP, REPORT), _combo(FINISH, REFUSE))}

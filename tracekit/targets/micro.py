@@ -1,0 +1,119 @@
+"""The micro target (``benchmark.kind=micro``, ``conf/benchmark/micro.yaml``; issue 42): held-out instances of the
+micro world's library environments (:mod:`tracekit.synthesis.library.micro`) and of its task kinds that need two
+capabilities at once (``COMBOS``), each environment's own verifier; pass rate per environment.
+
+Its reference labeler labels the micro dictionary (``analysis/dictionaries/micro_reference.yaml``) from each
+trajectory's instance, regenerated from its environment, difficulty and seed:
+
+- ``lookup_by_name``: NA unless the request names items; LACKING when a named item was never looked up with
+  ``find``, or a ``read``/``write`` used an id other than the request's items'; else PRESENT;
+- ``refuse_locked``: NA unless an item of the request is locked; LACKING when a locked item was written, never read,
+  or never said to be locked; else PRESENT;
+- ``finish_all_writes``: NA unless the request needs several writes; LACKING when an unlocked item of the request was
+  never written; else PRESENT;
+- ``report_value``: NA unless the request asks for a value; LACKING when the value was never said; else PRESENT.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from tracekit.agents import GoldAgent
+from tracekit.analysis.discovery import load_dictionary
+from tracekit.analysis.reference import RuleLabeler
+from tracekit.synthesis.library.micro import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT
+from tracekit.synthesis.protocol import communicated, tool_calls_of
+from tracekit.targets.tau2_mini import LibraryTarget
+from tracekit.types import LabelValue, Trajectory
+
+DICTIONARY_PATH = Path(__file__).parent.parent / "analysis" / "dictionaries" / "micro_reference.yaml"
+_NA, _LACK, _OK = LabelValue.NA, LabelValue.LACKING, LabelValue.PRESENT
+
+
+def micro_labels(traj: Trajectory, instance: Any) -> dict[str, tuple[LabelValue, str]]:
+    """{capability: (label, rationale)} of one micro trajectory against its instance (see the module doc)."""
+    p = instance.params
+    kinds, targets, locked = set(p["kinds"]), list(p["targets"]), list(p["locked"])
+    calls = tool_calls_of(traj.messages)
+    written = {c.arguments.get("id") for c in calls if c.name == "write"}
+    read = {c.arguments.get("id") for c in calls if c.name == "read"}
+    out: dict[str, tuple[LabelValue, str]] = {}
+    if LOOKUP in kinds:
+        names = {instance.state["items"][t]["name"] for t in targets}
+        found = {c.arguments.get("name") for c in calls if c.name == "find"}
+        stray = sorted(str(i) for i in (written | read) - set(targets))
+        missing = sorted(names - found)
+        out[LOOKUP] = ((_LACK, f"never looked up {missing}" if missing else f"acted on ids {stray} it was not given")
+                       if missing or stray else (_OK, "looked every named item up and used the returned ids"))
+    else:
+        out[LOOKUP] = (_NA, "the request gives ids")
+    if locked:
+        bad = sorted(set(locked) & written)
+        unread = sorted(set(locked) - read)
+        said = communicated(traj.messages, instance.expected_outputs)
+        out[REFUSE] = ((_LACK, f"wrote locked {bad}" if bad else f"never read {unread}" if unread
+                        else "never said the item is locked")
+                       if bad or unread or not said else (_OK, "read the locked item, left it, and said so"))
+    else:
+        out[REFUSE] = (_NA, "no item of the request is locked")
+    if FINISH in kinds:
+        owed = [t for t in targets if t not in locked]
+        undone = [t for t in owed if t not in written]
+        out[FINISH] = ((_LACK, f"wrote {len(owed) - len(undone)} of {len(owed)} requested items")
+                       if undone else (_OK, f"wrote all {len(owed)} requested items"))
+    else:
+        out[FINISH] = (_NA, "the request needs one write at most")
+    if REPORT in kinds:
+        out[REPORT] = ((_OK, "said the value") if communicated(traj.messages, instance.expected_outputs)
+                       else (_LACK, "never said the value"))
+    else:
+        out[REPORT] = (_NA, "nothing to report")
+    return out
+
+
+class MicroLabeler(RuleLabeler):
+    """The micro target's reference labeler (:func:`micro_labels` on each trajectory's regenerated instance)."""
+
+    capabilities = CAPABILITIES
+    dictionary_path = DICTIONARY_PATH
+    unjudged = "not a micro-world trajectory (no environment, difficulty and seed to regenerate it from)"
+
+    def rules(self, traj: Trajectory) -> dict[str, tuple[LabelValue, str]] | None:
+        try:
+            cls = MicroTarget().env_class(traj.env)
+            instance = cls(int(traj.info["difficulty"])).generate(int(traj.info["seed"]))
+        except (KeyError, ValueError):
+            return None
+        return micro_labels(traj, instance)
+
+
+class MicroTarget(LibraryTarget):
+    kind = "micro"
+    summary = "the micro world: find/read/write over a small store, learnable on 2 CPU cores (issue 42)"
+    extra_envs = dict(COMBOS)
+
+    def paper_tasks_of(self, b: DictConfig) -> str | None:
+        return None  # the paper has no micro world
+
+    def describe_tasks(self, b: DictConfig) -> str:
+        combos = sum(e in COMBOS for e in b.envs)
+        return (f"{b.name} (micro: {len(b.envs) - combos} capability environments + {combos} two-capability task kinds "
+                f"x {b.limit} held-out instances)")
+
+    def paper_user_applies(self, cfg: DictConfig) -> bool:
+        return False
+
+    def synthesis_family(self, cfg: DictConfig) -> str:
+        return "micro"
+
+    def reference_dictionary(self) -> list[Any]:
+        return load_dictionary(DICTIONARY_PATH)
+
+    def reference_labeler(self, noise: float) -> Any:
+        return MicroLabeler(noise)
+
+    def gold_agent(self) -> Any:
+        return GoldAgent()
