@@ -1,6 +1,9 @@
 """A run SIGKILLed mid-stage and run again ends with the cache an uninterrupted run leaves, byte for byte.
 
-``python -m tracekit experiment=smoke logger=none`` runs in a subprocess with its own root and cache; the test
+``python -m tracekit experiment=smoke logger=none agent.batch_size=1`` runs in a subprocess with its own root and
+cache (one episode at a time: a rollout's rows are written one by one, seconds apart, so there is a moment with some
+written and the stage unfinished; batched, the two smoke episodes end together and their stage completes at once); the
+test
 waits (on the event, not a clock) until the chosen stage's ``<key>.partial`` work dir holds its progress file
 (:data:`PROGRESS`), SIGKILLs the run's whole process group, runs the same command again and compares every file of
 the two caches (``.lock`` files included) with an uninterrupted run's.
@@ -44,6 +47,7 @@ from tracekit.artifacts import COMPLETE
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SMOKE = ("experiment=smoke", "logger=none", "agent.batch_size=1")
 TIMING_KEYS = frozenset({"seconds", "finished"})
 TIMING_COLUMNS = frozenset({"time_rollout_s", "time_update_s", "time_total_s"})
 TIMING_LINE = re.compile(r"^- time: [0-9.]+s$", re.M)
@@ -58,8 +62,8 @@ def _smoke(root: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "TRACEKIT_ROOT": str(root), "TRACEKIT_CACHE": str(root / "cache"), "WANDB_MODE": "offline",
            "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
     with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
-        return procs.popen([sys.executable, "-m", "tracekit", "experiment=smoke", "logger=none"], cwd=ROOT, env=env,
-                           stdout=out, stderr=out, start_new_session=True)  # its own group: killed with its workers
+        return procs.popen([sys.executable, "-m", "tracekit", *SMOKE], cwd=ROOT, env=env, stdout=out, stderr=out,
+                           start_new_session=True)  # its own group: killed with its workers
 
 
 def _finish(root: Path, log: Path) -> None:
