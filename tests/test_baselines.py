@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests import procs
 from tracekit.artifacts import StageCache, atomic_write_json, write_jsonl
 from tracekit.config import ConfigError
 from tracekit.validate import validate
@@ -217,8 +218,8 @@ def test_figure4_plots_both_panels_from_its_data(tmp_path):
 def _cli(tmp_path: Path, *overrides: str, timeout: int = 1500) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
            "WANDB_MODE": "offline"}
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
+                    capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

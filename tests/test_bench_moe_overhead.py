@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import moe_overhead  # noqa: E402
+
+from tests import procs  # noqa: E402
 
 
 def _row(phase, grouped, grouped_mm=1.0, masked_dense=1.0):
@@ -35,7 +36,7 @@ def test_smoke_run_writes_results_and_plot(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_overhead.py"), "--smoke", "--prefill", "1x8",
            "--decode", "1", "--steps", "2", "--repeats", "1", "--warmup", "0", "--out", str(out), "--plot", str(png)]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = procs.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [(r["phase"], r["batch"]) for r in result["rows"]] == [("prefill", 1), ("decode", 1)]

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from tests import procs
 from tracekit.artifacts import COMPLETE, StageCache, iter_jsonl, JsonlAppender, read_jsonl
 from tracekit.pipeline import Pipeline, RunRecord, Stage
 
@@ -88,11 +88,12 @@ _RACER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from tracekit.artifacts import StageCache
-    root, log = Path(sys.argv[1]), Path(sys.argv[2])
+    root, log, release = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     def compute(work):
         with open(log, "a") as f:
             f.write("computed\\n")
-        time.sleep(float(sys.argv[3]))
+        while not release.exists():  # the test says when: an event, not a clock
+            time.sleep(0.02)
         (work / "out.txt").write_text("done")
     art = StageCache(root).get_or_compute("slow", "k1", compute)
     print(art.path)
@@ -102,11 +103,14 @@ _RACER = textwrap.dedent("""
 def test_two_processes_racing_compute_once(tmp_path):
     script = tmp_path / "racer.py"
     script.write_text(_RACER)
-    log = tmp_path / "log.txt"
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "c"), str(log), "1.0"],
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert all(p.returncode == 0 for p in procs)
+    log, release = tmp_path / "log.txt", tmp_path / "release"
+    racers = [procs.popen([sys.executable, str(script), str(tmp_path / "c"), str(log), str(release)],
+                          stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    # one computes and holds the lock until released; the other, whenever it gets there, waits on the lock or hits
+    procs.wait_for(lambda: log.exists() or all(p.poll() is not None for p in racers), "a racer to start computing")
+    release.touch()
+    outs = [p.communicate(timeout=600)[0].strip() for p in racers]
+    assert all(p.returncode == 0 for p in racers)
     assert log.read_text().count("computed") == 1
     assert outs[0] == outs[1] and (Path(outs[0]) / "out.txt").read_text() == "done"
 
@@ -114,19 +118,18 @@ def test_two_processes_racing_compute_once(tmp_path):
 def test_killed_mid_write_leaves_nothing_complete(tmp_path):
     script = tmp_path / "racer.py"
     script.write_text(_RACER)
-    log = tmp_path / "log.txt"
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "c"), str(log), "30"])
-    deadline = time.time() + 60
-    while not log.exists() and time.time() < deadline:
-        time.sleep(0.05)
+    log, release = tmp_path / "log.txt", tmp_path / "release"
+    p = procs.popen([sys.executable, str(script), str(tmp_path / "c"), str(log), str(release)])
+    procs.wait_for_path(log, proc=p)  # inside compute, which waits for a release that never comes
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     cache = StageCache(tmp_path / "c")
     assert cache.lookup("slow", "k1") is None
     assert not (tmp_path / "c" / "slow" / "k1" / COMPLETE).exists()
     # a rerun completes (the lock died with the killed process)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "c"), str(log), "0"],
-                         capture_output=True, text=True, timeout=120)
+    release.touch()
+    out = procs.run([sys.executable, str(script), str(tmp_path / "c"), str(log), str(release)],
+                    capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert cache.lookup("slow", "k1") is not None
 

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
 import sys
 import textwrap
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests import procs
 from tracekit.config import ConfigError
 from tracekit.validate import validate
 from tracekit.artifacts import COMPLETE, CorruptArtifact, StageCache, atomic_write_json, write_jsonl
@@ -383,7 +383,8 @@ _WAITER = textwrap.dedent("""
     from tracekit.artifacts import StageCache
     def compute(work):
         Path(sys.argv[2]).write_text("started")
-        time.sleep(float(sys.argv[3]))
+        while not Path(sys.argv[3]).exists():  # holds the lock until the test releases it: an event, not a clock
+            time.sleep(0.02)
         (work / "out.txt").write_text("done")
     StageCache(Path(sys.argv[1])).get_or_compute("slow", "k1", compute)
 """)
@@ -392,13 +393,22 @@ _WAITER = textwrap.dedent("""
 def test_a_job_waiting_on_another_says_so(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(_WAITER)
-    flag = tmp_path / "started"
-    first = subprocess.Popen([sys.executable, str(script), str(tmp_path / "c"), str(flag), "3"])
-    deadline = time.time() + 60
-    while not flag.exists() and time.time() < deadline:
-        time.sleep(0.05)
-    second = subprocess.run([sys.executable, str(script), str(tmp_path / "c"), str(tmp_path / "f2"), "0"],
-                            capture_output=True, text=True, timeout=120)
-    first.wait(timeout=120)
-    assert second.returncode == 0 and "waiting for another job computing slow/k1" in second.stderr
+    flag, release, err = tmp_path / "started", tmp_path / "release", tmp_path / "second.err"
+    first = procs.popen([sys.executable, str(script), str(tmp_path / "c"), str(flag), str(release)])
+    second = None
+    try:
+        procs.wait_for_path(flag, proc=first)  # the first holds the lock, computing
+        with open(err, "w") as f:
+            second = procs.popen([sys.executable, str(script), str(tmp_path / "c"), str(tmp_path / "f2"), str(release)],
+                                 stderr=f)
+        procs.wait_for(lambda: "waiting for another job" in err.read_text(), "the second job to wait", proc=second)
+        release.touch()
+        assert second.wait(timeout=600) == 0 and first.wait(timeout=600) == 0
+    finally:
+        release.touch()
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait()
+    assert "waiting for another job computing slow/k1" in err.read_text()
     assert not (tmp_path / "f2").exists()  # it waited and hit, not computed

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests import procs
 from tracekit.coding import reward as rw
 from tracekit.coding.sandbox import CommandLimits
 from tracekit.coding.interface import TOOLS
@@ -206,13 +207,12 @@ def test_default_generation_gold_scores_one_and_empty_zero_on_every_task(tmp_pat
 @pytest.mark.slow
 def test_full_pipeline_on_the_coding_target_at_smoke_budgets(tmp_path):
     import os
-    import subprocess
     import sys
 
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-m", "tracekit", "benchmark=coding_toolz", "experiment=smoke",
-                        "logger=none", "benchmark.coding.max_per_modifier=1", "benchmark.limit=2",
-                        "benchmark.coding.modifiers=[func_pm_op_change,func_pm_remove_cond,func_pm_ctrl_invert_if]"],
+    r = procs.run([sys.executable, "-m", "tracekit", "benchmark=coding_toolz", "experiment=smoke",
+                   "logger=none", "benchmark.coding.max_per_modifier=1", "benchmark.limit=2",
+                   "benchmark.coding.modifiers=[func_pm_op_change,func_pm_remove_cond,func_pm_ctrl_invert_if]"],
                        capture_output=True, text=True, env=env, timeout=3000)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "coding_toolz" in r.stdout

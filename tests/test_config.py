@@ -11,6 +11,7 @@ from typing import get_args, get_origin, get_type_hints
 
 import pytest
 
+from tests import procs
 from tracekit.config import Config, ConfigError
 from tracekit.validate import CHOICES, RANGES, validate
 
@@ -21,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRACEKIT_ROOT": str(cwd)}
-    return subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True, text=True,
-                          timeout=60, cwd=cwd, env=env)
+    return procs.run([sys.executable, "-m", "tracekit", *args], capture_output=True, text=True,
+                     timeout=60, cwd=cwd, env=env)
 
 
 def test_paper_defaults(make_cfg):

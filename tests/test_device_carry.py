@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from tests import procs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,8 +21,8 @@ def _module():
 
 
 def test_dry_run_plans_wheels_pure_packages_and_gguf_parts():
-    out = subprocess.run([sys.executable, "scripts/build_device_carry.py", "--dry-run"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = procs.run([sys.executable, "scripts/build_device_carry.py", "--dry-run"], cwd=ROOT,
+                    capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     wheels, pure, gguf = out.stdout.strip().splitlines()[:3]
     # compiled needs travel as cp312 wheels of this install's versions; the image's own stack never travels

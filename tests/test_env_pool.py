@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests import procs
 from tracekit.envs.base import Episode, EnvSuite, Observation, Outcome, StepResult
 from tracekit.envs.pool import EnvPool, PooledSuite, SuiteSpec, pooled, resolve_workers
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
@@ -225,16 +226,18 @@ def test_a_hung_worker_is_killed_and_its_episodes_run_again(tmp_path):
     once = str(tmp_path / "hung")
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16, return_tokens=True)
     t0 = time.monotonic()
-    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6, once)), 2, reply_timeout=2.0) as pool:
+    # 10 s: a healthy worker answers a stub step in milliseconds, but on a loaded machine a short timeout could take
+    # a slow healthy reply for a hang (the test waits this long once, for the hung worker)
+    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6, once)), 2, reply_timeout=10.0) as pool:
         first = pool.workers[0]
         s = run_rollouts(PooledSuite(HangingSuite(6, once), pool), agent, tmp_path / "out", max_steps=5,
                          batch_size=4, progress=False)
         assert not first.proc.is_alive() and pool.workers[0] is not first and pool.workers[0].proc.is_alive()
-    assert time.monotonic() - t0 < 60  # the timeout, not the hour's sleep
+    assert time.monotonic() - t0 < 600  # the timeout, not the hour's sleep (worker start-ups may be slow when loaded)
     trajs = {t.task_id: t for t in read_trajectories(tmp_path / "out")}
     assert len(trajs) == 6 and s.errors == 0 and s.retried == 2  # t0 (hangs) and t2 (its worker's other episode)
     for e in s.infra_errors:
-        assert "WorkerDied: env worker 0" in e and "sent no reply in 2 s (hung)" in e
+        assert "WorkerDied: env worker 0" in e and "sent no reply in 10 s (hung)" in e
         assert "last stderr line: waiting on a lock that never frees" in e
     assert all(t.reward == 1.0 and t.error is None for t in trajs.values())
 
@@ -339,14 +342,13 @@ import torch  # noqa: E402
 
 def _cli_rollout(root, cache, *overrides):
     import json
-    import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRACEKIT_ROOT": str(root), "TRACEKIT_CACHE": str(cache), "WANDB_MODE": "offline"}
     before = set((root / "outputs" / "runs").glob("*")) if (root / "outputs" / "runs").exists() else set()
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", "stages=[rollout]", "agent.kind=gold",
-                          "logger=none", *overrides], cwd=repo, env=env, capture_output=True, text=True, timeout=280)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", "stages=[rollout]", "agent.kind=gold",
+                     "logger=none", *overrides], cwd=repo, env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = set((root / "outputs" / "runs").glob("*")) - before
     return json.loads((run_dir / "artifacts.json").read_text()), out.stdout + out.stderr
@@ -430,7 +432,9 @@ def test_steps_run_in_parallel_and_scoring_overlaps_the_decode(tmp_path):
     with EnvPool(SuiteSpec("tests.test_env_pool:slow_suite", (6,)), 3) as pool:
         pooled_s = run(PooledSuite(SlowSuite(6), pool), tmp_path / "pooled")
     print(f"serial {serial:.2f} s, pooled {pooled_s:.2f} s")
-    assert serial > 7.0 and pooled_s < 0.7 * serial, (serial, pooled_s)
+    # the sleeps alone take 7.5 s serially and about 3.3 s pooled (4.2 s saved: 8.5 s vs 4.9 s measured at load 6 on
+    # 2 cores); load adds overhead to both, and more to the pooled run's messages: ask for a third of the saving
+    assert serial > 7.0 and serial - pooled_s > 1.5, (serial, pooled_s)
     assert [_view(t) for t in read_trajectories(tmp_path / "serial")] == [
         _view(t) for t in read_trajectories(tmp_path / "pooled")]
 
@@ -447,6 +451,9 @@ def test_the_benchmark_writes_its_json_atomically(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["out.json"]  # no temporary left behind
 
 
+# slow (~45 s: two pools importing tau2, four rollouts): the benchmark's own harness; the same pooled-vs-in-process
+# gold rollouts on real tau2 are test_real_tau2_retail_gold_agent_is_identical_with_and_without_workers (fast)
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tau2") is None, reason="the tau2 package is not installed")
 def test_the_benchmark_gold_section(tmp_path):
     from types import SimpleNamespace

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
+
 pytest.importorskip("importlinter", reason="import-linter is a dev dependency (pip install -e '.[dev]')")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,8 +23,8 @@ def _lint(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
     """`lint-imports` on ``cwd``'s `.importlinter`, the package found on ``pythonpath`` (grimp parses, never imports)."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
-    return subprocess.run([sys.executable, "-c", code, "--no-cache"], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return procs.run([sys.executable, "-c", code, "--no-cache"], cwd=cwd, env=env, capture_output=True,
+                     text=True, timeout=60)
 
 
 def test_contract_holds_today():

@@ -4,13 +4,14 @@ import that runs up the layers of a contract."""
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import import_graph  # noqa: E402
+
+from tests import procs  # noqa: E402
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -40,8 +41,8 @@ def test_reports_planted_circle_and_upward_import(tmp_path):
 
 
 def test_runs_on_the_package():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_graph.py")], capture_output=True, text=True,
-                       timeout=60)
+    r = procs.run([sys.executable, str(ROOT / "scripts" / "import_graph.py")], capture_output=True, text=True,
+                  timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("internal import statements: ") and "imports up the layers (.importlinter" in r.stdout
 

@@ -25,6 +25,12 @@ TOOLS = [
 ]
 
 
+# Clock bounds here only tell "waited out a timeout or a retry loop" from "did not": far from the expected times,
+# so that a loaded machine does not fail them
+PROMPTLY = 30.0  # s: failing at once (a refused connection, a spent retry budget with 0.01 s backoff)
+LATE = 60.0  # s: a reply this late is never waited for (the stub's handler threads are daemons)
+
+
 def _client(url: str, **kw) -> OpenAIChatClient:
     kw = {"timeout_s": 5.0, "connect_timeout_s": 1.0, "max_retries": 2, "backoff_s": 0.01, **kw}
     return OpenAIChatClient(base_url=url, model="stub-model", **kw)
@@ -112,23 +118,24 @@ def test_http_500_beyond_the_retry_budget_fails_cleanly():
         assert len(srv.chat_requests) == 3
     msg = str(info.value)
     assert "\n" not in msg and url in msg and "after 3 attempts" in msg and "HTTP 500" in msg
-    assert time.perf_counter() - t0 < 3.0
+    assert time.perf_counter() - t0 < PROMPTLY  # backoff_s=0.01: the three attempts are the time
 
 
 def test_timeout_is_retried_then_fails_cleanly():
-    with StubOpenAIServer(responses=[Reply(content="late", delay_s=2.0)], cycle=True) as srv:
+    with StubOpenAIServer(responses=[Reply(content="late", delay_s=LATE)], cycle=True) as srv:
         client = _client(srv.url, timeout_s=0.3, max_retries=1)
         t0 = time.perf_counter()
         with pytest.raises(EndpointError, match="ReadTimeout") as info:
             client.chat([_req()])
         elapsed = time.perf_counter() - t0
         assert len(srv.chat_requests) == 2
-    assert "\n" not in str(info.value) and elapsed < 1.9  # two 0.3 s timeouts, not the server's 2 s
+    assert "\n" not in str(info.value) and elapsed < LATE / 2  # two 0.3 s timeouts, not the server's delay
 
 
 def test_timeout_then_success():
-    with StubOpenAIServer(responses=[Reply(content="late", delay_s=1.5), "on time"]) as srv:
-        (resp,) = _client(srv.url, timeout_s=0.3, max_retries=1).chat([_req()])
+    # the timeout is long enough for a prompt reply on a loaded machine, the late reply far longer
+    with StubOpenAIServer(responses=[Reply(content="late", delay_s=LATE), "on time"]) as srv:
+        (resp,) = _client(srv.url, timeout_s=2.0, max_retries=1).chat([_req()])
     assert resp.message.content == "on time"
 
 
@@ -138,7 +145,7 @@ def test_refused_connection_fails_fast_with_one_line():
     t0 = time.perf_counter()
     with pytest.raises(EndpointError) as info:
         client.chat([_req()])
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < PROMPTLY
     msg = str(info.value)
     assert msg.startswith(f"endpoint {url} unreachable") and "\n" not in msg
 
@@ -163,17 +170,21 @@ def test_client_error_answers_that_request_only():
 
 
 def test_batches_run_concurrently_and_keep_order():
+    import threading
+
+    # an event, not a clock: no request is answered before all 8 are in flight at once (sequential requests would
+    # break the barrier at its timeout: an HTTP 500, no retry)
+    everyone = threading.Barrier(8, timeout=120)
+
     def echo(body):
-        return Reply(content=body["messages"][0]["content"].upper(), delay_s=0.4)
+        everyone.wait()
+        return Reply(content=body["messages"][0]["content"].upper())
 
     with StubOpenAIServer(handler=echo) as srv:
-        client = _client(srv.url, max_concurrency=8)
+        client = _client(srv.url, max_concurrency=8, timeout_s=300, max_retries=0)
         reqs = [ChatRequest(messages=[Message(role="user", content=f"q{i}")]) for i in range(8)]
-        t0 = time.perf_counter()
         out = client.chat(reqs)
-        elapsed = time.perf_counter() - t0
     assert [r.message.content for r in out] == [f"Q{i}" for i in range(8)]
-    assert elapsed < 8 * 0.4 / 2  # sequential would take 3.2 s
 
 
 def test_make_client_openai():

@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import procs
 from tracekit.reproduce import render
 from tracekit.reproduce.spec import (COLUMNS, find_spec, load_spec, merge_overrides, plan, spec_paths)
 
@@ -209,26 +209,26 @@ def test_a_wandb_failure_never_loses_the_table_files(tmp_path, monkeypatch, caps
 def _reproduce_cli(tmp_path: Path, spec: Path, out: Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
            "WANDB_MODE": "offline"}
-    return subprocess.Popen([sys.executable, "-m", "tracekit.reproduce", str(spec), "--out", str(out), "logger=none"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return procs.popen([sys.executable, "-m", "tracekit.reproduce", str(spec), "--out", str(out), "logger=none"],
+                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def test_a_killed_table_run_rerun_reuses_the_completed_row(tmp_path):
     rows = [{"label": "Base", "method": "base", "overrides": ["benchmark.limit=1"], "paper": {"overall": 32.9}},
-            {"label": "Base, 6 tasks", "method": "base", "overrides": ["benchmark.limit=6"], "paper": {"overall": 32.9}}]
+            {"label": "Base, 2 tasks", "method": "base", "overrides": ["benchmark.limit=2"], "paper": {"overall": 32.9}}]
     spec = _spec(tmp_path, overrides=["benchmark.envs=[tau2_tool_calling_precision]"],
                  blocks=[{"backbone": "tiny", "rows": rows}])
     first = tmp_path / "first"
     proc = _reproduce_cli(tmp_path, spec, first, start_new_session=True)
-    deadline = time.time() + 300
-    while not (first / "table.md").exists():  # the first row is done: the table so far is written
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.02)
+    try:  # the first row is done: the table so far is written (the second row then loads its model: seconds)
+        procs.wait_for(lambda: (first / "table.md").exists(), "the first row's table", timeout=900, proc=proc, poll=0.02)
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(proc.communicate()[0][-3000:]) from None
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and its second row, mid-table
     proc.wait()
     so_far = (first / "table.md").read_text()
-    assert "| Base | " in so_far and "computed: " in so_far and "| Base, 6 tasks | – |" in so_far and "pending: not run yet" in so_far
+    assert "| Base | " in so_far and "computed: " in so_far and "| Base, 2 tasks | – |" in so_far and "pending: not run yet" in so_far
 
     again = tmp_path / "again"
     proc = _reproduce_cli(tmp_path, spec, again)
@@ -242,7 +242,7 @@ def test_a_killed_table_run_rerun_reuses_the_completed_row(tmp_path):
     assert [r["status"] for r in result] == ["ok", "ok"] and result[0]["cache"] == "all cached"
     assert result[1]["cache"].startswith("computed: ")
     table = (again / "table.md").read_text()
-    assert "| Base | " in table and "| Base, 6 tasks | " in table and "32.9" in table
+    assert "| Base | " in table and "| Base, 2 tasks | " in table and "32.9" in table
 
 
 def test_figures_render_beside_the_papers_points(tmp_path):

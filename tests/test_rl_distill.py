@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests import procs
 from tracekit.rl.distill import (
     DISTILL_METRIC_COLUMNS,
     STUDENT,
@@ -298,17 +299,15 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tok, teachers, tmp_pa
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=str(here.parent))
     args = [str(teachers["ping_a"].parent), str(here)]
-    subprocess.run([sys.executable, str(script), str(tmp_path / "full"), *args], check=True, env=env, capture_output=True)
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "cut"), *args], env=env, stderr=subprocess.DEVNULL)
+    procs.run([sys.executable, str(script), str(tmp_path / "full"), *args], check=True, env=env, capture_output=True)
+    p = procs.popen([sys.executable, str(script), str(tmp_path / "cut"), *args], env=env, stderr=subprocess.DEVNULL)
     latest = tmp_path / "cut" / "checkpoints" / "latest.json"
-    t0 = time.time()
-    while not latest.exists() and time.time() - t0 < 600:
-        time.sleep(0.05)
+    procs.wait_for_path(latest, timeout=600, proc=p)  # the first checkpoint: an event, not a clock
     time.sleep(0.5)  # somewhere inside the next iterations
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert not (tmp_path / "cut" / "adapter").exists(), "the run finished before it could be killed"
-    subprocess.run([sys.executable, str(script), str(tmp_path / "cut"), *args], check=True, env=env, capture_output=True)
+    procs.run([sys.executable, str(script), str(tmp_path / "cut"), *args], check=True, env=env, capture_output=True)
     from safetensors.torch import load_file
 
     a = load_file(str(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))

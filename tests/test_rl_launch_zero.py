@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import procs
 from benchmarks.zero_multi_gpu import (
     ParitySuite,
     compare,
@@ -122,7 +122,7 @@ def test_scaling_efficiency():
 
 
 def test_worker_refuses_to_run_outside_torchrun():
-    r = subprocess.run(
+    r = procs.run(
         [sys.executable, str(ROOT / "benchmarks" / "zero_multi_gpu.py"), "--worker", "--stage", "3", "--run-dir", "/tmp/x", "--smoke"],
         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip

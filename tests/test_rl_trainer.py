@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import procs
 from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import KeywordSuite, tiny_model, tiny_tokenizer
@@ -211,17 +212,15 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_KILL_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    subprocess.run([sys.executable, str(script), str(tmp_path / "full")], check=True, env=env, capture_output=True)
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "cut")], env=env, stderr=subprocess.DEVNULL)
+    procs.run([sys.executable, str(script), str(tmp_path / "full")], check=True, env=env, capture_output=True)
+    p = procs.popen([sys.executable, str(script), str(tmp_path / "cut")], env=env, stderr=subprocess.DEVNULL)
     latest = tmp_path / "cut" / "checkpoints" / "latest.json"
-    t0 = time.time()
-    while not latest.exists() and time.time() - t0 < 600:
-        time.sleep(0.05)
+    procs.wait_for_path(latest, timeout=600, proc=p)  # the first checkpoint: an event, not a clock
     time.sleep(0.5)  # somewhere inside the next iterations
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert not (tmp_path / "cut" / "adapter").exists(), "the run finished before it could be killed"
-    subprocess.run([sys.executable, str(script), str(tmp_path / "cut")], check=True, env=env, capture_output=True)
+    procs.run([sys.executable, str(script), str(tmp_path / "cut")], check=True, env=env, capture_output=True)
     from safetensors.torch import load_file
 
     a = load_file(str(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))

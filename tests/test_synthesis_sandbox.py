@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxError, SandboxLimits, isolation
 from tracekit.synthesis.validate import ValidationConfig, validate_source
 
 VALID = (Path(__file__).parent / "data" / "synthesis" / "valid_env.py").read_text()
 ESCAPE = "/tmp/tracekit_sandbox_escape_test.txt"
-LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=20, memory_bytes=1 << 30)
+LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=60, memory_bytes=1 << 30)  # wall: far past the 2 s CPU limit on a loaded machine
 CFG = ValidationConfig(n_seeds=50)
 
 
@@ -156,7 +157,6 @@ def test_ground_truth_using_a_hidden_tool_is_named():
 def test_what_generated_environments_import_loads_no_native_library():
     """A generated environment imports the protocol and the target interfaces inside the sandbox, whose hook
     refuses native library loading (tests above): those modules stay plain Python (no torch, no ctypes)."""
-    import subprocess
     import sys
 
     code = ("import sys\nloaded = []\nsys.addaudithook(lambda e, a: loaded.append(a[0]) if e == 'ctypes.dlopen' else None)\n"
@@ -164,5 +164,5 @@ def test_what_generated_environments_import_loads_no_native_library():
             "from tracekit.synthesis.targets import target_policy, tool_schemas\n"
             "tool_schemas('toolsandbox', ['get_current_timestamp']), target_policy('coding')\n"
             "assert not loaded and 'torch' not in sys.modules, (loaded, 'torch' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tracekit.agents import GoldAgent
 from tracekit.envs import tau2 as T
 from tracekit.evaluate import summarize
@@ -55,7 +55,7 @@ CHILD = textwrap.dedent(
 
 def test_sigkill_mid_run_then_resume(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out)], cwd=Path(__file__).parents[1])
+    proc = procs.popen([sys.executable, "-c", CHILD, str(out)], cwd=Path(__file__).parents[1])
     path = out / TRAJECTORIES
     deadline = time.time() + 300
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tracekit.config import ConfigError
 from tracekit.validate import validate
 from tracekit.envs.toolsandbox import missing_environment
@@ -205,10 +206,10 @@ def test_the_training_suites_hold_the_split_scenarios(make_cfg):
 def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
            "WANDB_MODE": "offline"}
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", "benchmark=toolsandbox",
-                          "eval.methods=[base,grpo_target]", "baselines.grpo_target.episodes=4",
-                          "baselines.grpo_target.train_limit=2", *overrides],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", "benchmark=toolsandbox",
+                     "eval.methods=[base,grpo_target]", "baselines.grpo_target.episodes=4",
+                     "baselines.grpo_target.train_limit=2", *overrides],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

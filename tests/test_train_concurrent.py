@@ -13,13 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import procs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tracekit(tmp_path: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(cache), "WANDB_MODE": "offline"}
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", *overrides], cwd=ROOT, env=env,
+                    capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -71,8 +73,8 @@ def test_concurrent_capability_runs_give_the_serial_adapters(tmp_path):
 @pytest.mark.timeout(900)
 def test_concurrent_runs_out_of_range_is_one_line(tmp_path):
     env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "c")}
-    out = subprocess.run([sys.executable, "-m", "tracekit", "experiment=smoke", "launcher.concurrent_runs=0"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = procs.run([sys.executable, "-m", "tracekit", "experiment=smoke", "launcher.concurrent_runs=0"],
+                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in out.stderr.splitlines() if line.startswith("tracekit:")]
     assert out.returncode == 2 and len(lines) == 1 and "launcher.concurrent_runs" in lines[0], out.stderr[-2000:]
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.safetensors"))
