@@ -37,6 +37,7 @@ from tracekit.synthesis.sandbox import SandboxLimits
 from tracekit.synthesis.stage import MANIFEST, SynthesisSettings, synthesize
 from tracekit.synthesis.validate import ValidationConfig
 from tracekit.targets import target_of, target_of_trajectories
+from tracekit.types import stable_hash
 from tracekit.wiring import AGENT_ENGINE_READS, client_for, llm_agent, plain, rollout_reads
 
 log = logging.getLogger(__name__)
@@ -180,12 +181,20 @@ def train_stage(ctx: StageContext) -> None:
     man = read_json(syn.path / MANIFEST)
     ready = [env["capability"] for env in man["environments"] if env["status"] == "ready"]
     runs = cfg.launcher.concurrent_runs
-    if runs > 1 and len(ready) > 1:  # each capability's run in its own process, `runs` at a time
-        log.info("train: %d capability GRPO runs, %d at a time", len(ready), runs)
+    # capabilities whose environment packages are identical share one run (one cache key): train each content once,
+    # so that two concurrent runs never compute the same key
+    first_of: dict[str, str] = {}
+    for cap in ready:
+        first_of.setdefault(stable_hash(package_identity(syn.path / cap)), cap)
+    distinct = list(first_of.values())
+    if runs > 1 and len(distinct) > 1:  # each capability's run in its own process, `runs` at a time
+        log.info("train: %d capability GRPO runs, %d at a time", len(distinct), runs)
         with ThreadPoolExecutor(max_workers=runs) as pool:
-            arts = list(pool.map(lambda cap: train_adapter(ctx, cap, syn.path / cap, isolate=True), ready))
+            trained = dict(zip(distinct, pool.map(lambda cap: train_adapter(ctx, cap, syn.path / cap, isolate=True),
+                                                  distinct)))
     else:
-        arts = [train_adapter(ctx, cap, syn.path / cap) for cap in ready]
+        trained = {cap: train_adapter(ctx, cap, syn.path / cap) for cap in distinct}
+    arts = [trained[first_of[stable_hash(package_identity(syn.path / cap))]] for cap in ready]
     adapters = {cap: {**art.ref(), "content_key": art.content_key} for cap, art in zip(ready, arts)}
     if not adapters:
         raise RuntimeError(f"train: no ready synthetic environment in {syn.path / MANIFEST} (every capability skipped)")
