@@ -5,7 +5,7 @@ A model of a few million parameters learns on 2 CPU cores only if its episodes a
 backbone's tokenizer is a byte-level BPE trained on the rendered gold episodes of its world:
 
 - pre-tokenization splits at every newline (kept with its line), isolates every digit and every *atom* (the words
-  the world's requests vary in: the micro world's item names). A line that recurs (the policy, each tool schema, a
+  the world's requests vary in: the micro world's item names and ids). A line that recurs (the policy, each tool schema, a
   tool-call frame) becomes one token; an id or a value is always its digits one by one, and a name always its one
   token, so copying ``k42`` or ``fig`` from the user or a tool result is copying the same tokens wherever they are;
 - the chat template's markers are special tokens at the ids the SmolLM2 tokenizer gives them (``<|endoftext|>`` 0,
@@ -28,8 +28,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 
 def train_world_tokenizer(texts: Iterable[str], vocab_size: int, chat_template: str,
                           atoms: Iterable[str] = ()) -> Any:
     """A ``PreTrainedTokenizerFast`` trained on ``texts`` with at most ``vocab_size`` tokens (fewer when the
-    texts run out of pairs to merge), with ``chat_template`` as its template; each of ``atoms`` (whole words) is
-    always split off as its own piece."""
+    texts run out of pairs to merge), with ``chat_template`` as its template; each of ``atoms`` (whole words: a letter,
+    then letters or digits) is always split off as its own piece, before digits are isolated."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,12 +41,12 @@ def train_world_tokenizer(texts: Iterable[str], vocab_size: int, chat_template: 
     tok = Tokenizer(models.BPE())
     words = sorted({a for a in atoms if a}, key=lambda a: (-len(a), a))
     for a in words:
-        if not re.fullmatch(r"[A-Za-z]+", a):
-            raise ValueError(f"train_world_tokenizer: atom {a!r} is not one word of letters")
-    isolate = [pre_tokenizers.Split(Regex(r"\b(?:" + "|".join(words) + r")\b"), "isolated")] if words else []
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", a):
+            raise ValueError(f"train_world_tokenizer: atom {a!r} is not one word (a letter, then letters or digits)")
+    # one pass: an atom, else one digit (an id such as k47 stays whole, a value is its digit)
+    pieces = (r"\b(?:" + "|".join(re.escape(a) for a in words) + r")\b|\d") if words else r"\d"
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        *isolate,
-        pre_tokenizers.Split(Regex(r"\d"), "isolated"),
+        pre_tokenizers.Split(Regex(pieces), "isolated"),
         pre_tokenizers.Split("\n", "merged_with_previous"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])

@@ -41,6 +41,7 @@ CAPABILITIES = (LOOKUP, REFUSE, FINISH, REPORT)
 
 NAMES = ("apple", "pear", "plum", "fig", "lime", "kiwi", "mango", "peach", "grape", "melon", "lemon", "cherry",
          "olive", "date", "berry", "guava")
+IDS = tuple(f"k{i}" for i in range(10, 100))  # every item id the world draws
 REFUSAL = "is locked"
 
 
@@ -93,9 +94,9 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
     """One task instance needing ``needs.caps``: items, the request, the ground-truth calls and outputs."""
     rng = random.Random(f"micro:{salt}:{needs.difficulty}:{seed}")
     n_items = 4 if needs.difficulty == 0 else 6
-    ids = rng.sample(range(10, 100), n_items)
+    ids = rng.sample(IDS, n_items)
     names = rng.sample(NAMES, n_items)
-    items = {f"k{i}": {"name": n, "value": rng.randint(0, 9), "locked": False} for i, n in zip(ids, names)}
+    items = {i: {"name": n, "value": rng.randint(0, 9), "locked": False} for i, n in zip(ids, names)}
     order = list(items)
     by_name = LOOKUP in needs.caps
     if REPORT in needs.caps and FINISH not in needs.caps:
@@ -150,7 +151,9 @@ class MicroEnv(SyntheticEnv):
     difficulty_levels = (0, 1)
     default_difficulty = 0
     max_turns = 12  # difficulty 1's longest kind: three find/read/write triples and the answer
-    atoms = NAMES
+    # names and ids are whole tokens of the world tokenizer: copying one from the request or a tool result is copying
+    # one token (a 4.46M model trained in minutes copies a two-digit id from "Set k47 to 2." as k42: variant v3)
+    atoms = NAMES + IDS
     needs: ClassVar[tuple[str, ...]]
 
     def generate(self, seed: int) -> Instance:
