@@ -39,7 +39,7 @@ from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
 from tracekit.llm.backbones import _gguf_key, build_model_from_arch, cache_root, cached_folder, get_spec, load_backbone
 from tracekit.llm.templates import TEMPLATES
 from tracekit.llm.tools import render_prompt, tool_call_id
-from tracekit.llm.world_tokenizer import byte_tokenizer, train_world_tokenizer
+from tracekit.llm.world_tokenizer import TOKENIZER_VERSION, byte_tokenizer, train_world_tokenizer
 from tracekit.methods.adp_data import assistant_turns
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.sft import SFTSettings, train_sft
@@ -225,6 +225,14 @@ def base_identity(base: Any) -> dict[str, Any]:
     return ident
 
 
+def planted_identity(spec: PlantedSpec, base: Any) -> dict[str, Any]:
+    """What a planted folder depends on: the spec, the base, and a world tokenizer's own identity."""
+    ident = {"planted": asdict(spec), "base": base_identity(base), "version": PLANTED_VERSION}
+    if base.tokenizer == "world":  # the world's text and the tokenizer's rules are inputs of the weights
+        ident["world_tokenizer"] = world_tokenizer_identity(spec.family, base.chat_format, int(base.arch["vocab_size"]))
+    return ident
+
+
 def world_corpus(family: str, chat_format: str) -> list[str]:
     """The rendered gold episodes a world tokenizer is trained on: ``TOKENIZER_EPISODES`` instances of every library
     environment of ``family`` at each of its difficulty levels (seeds from ``TOKENIZER_SEED_OFFSET``), whatever the
@@ -244,15 +252,23 @@ def world_corpus(family: str, chat_format: str) -> list[str]:
     return texts
 
 
+def world_atoms(family: str) -> list[str]:
+    return sorted({a for env in library_capabilities(family).values() for a in library_env(env).atoms})
+
+
+def world_tokenizer_identity(family: str, chat_format: str, vocab_size: int) -> dict[str, Any]:
+    """Everything a world tokenizer depends on (its cache key; part of the key of a warm start that uses it)."""
+    return {"family": family, "chat_format": chat_format, "vocab_size": vocab_size, "atoms": world_atoms(family),
+            "episodes": TOKENIZER_EPISODES, "seeds": TOKENIZER_SEED_OFFSET, "version": TOKENIZER_VERSION}
+
+
 def world_tokenizer(family: str, chat_format: str, vocab_size: int, cache_dir: str | Path | None = None) -> Any:
     """The world tokenizer of ``family`` (trained once on :func:`world_corpus`, cached under
     ``<cache_root>/tokenizers/world-<family>-<key>``), with ``chat_format``'s template."""
     from transformers import AutoTokenizer
 
-    atoms = sorted({a for env in library_capabilities(family).values() for a in library_env(env).atoms})
-    key = stable_hash({"family": family, "chat_format": chat_format, "vocab_size": vocab_size, "atoms": atoms,
-                       "episodes": TOKENIZER_EPISODES, "seeds": TOKENIZER_SEED_OFFSET, "version": PLANTED_VERSION},
-                      length=16)
+    atoms = world_atoms(family)
+    key = stable_hash(world_tokenizer_identity(family, chat_format, vocab_size), length=16)
 
     def build(tmp: Path) -> dict[str, Any]:
         tok = train_world_tokenizer(world_corpus(family, chat_format), vocab_size, TEMPLATES[chat_format], atoms)
@@ -288,7 +304,7 @@ def world_base(base: Any, family: str, cache_dir: str | Path | None = None) -> t
 
 
 def planted_key(spec: PlantedSpec, base: Any) -> str:
-    return stable_hash({"planted": asdict(spec), "base": base_identity(base), "version": PLANTED_VERSION}, length=16)
+    return stable_hash(planted_identity(spec, base), length=16)
 
 
 def planted_dir(backbone: Any, device: str = "cpu", cache_dir: str | Path | None = None) -> Path:

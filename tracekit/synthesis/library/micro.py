@@ -151,9 +151,9 @@ class MicroEnv(SyntheticEnv):
     difficulty_levels = (0, 1)
     default_difficulty = 0
     max_turns = 12  # difficulty 1's longest kind: three find/read/write triples and the answer
-    # names and ids are whole tokens of the world tokenizer: copying one from the request or a tool result is copying
-    # one token (a 4.46M model trained in minutes copies a two-digit id from "Set k47 to 2." as k42: variant v3)
-    atoms = NAMES + IDS
+    # names are whole tokens of the world tokenizer (an id is its digits: as one token each, v5-v6, a model trained in
+    # minutes did not learn to copy them; VARIANTS.md)
+    atoms = NAMES
     needs: ClassVar[tuple[str, ...]]
 
     def generate(self, seed: int) -> Instance:
