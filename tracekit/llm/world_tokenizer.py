@@ -4,9 +4,8 @@ A model of a few million parameters learns on 2 CPU cores only if its episodes a
 (the LM head of a 49,152-token vocabulary alone costs three times a 4.5M-parameter body per token). So the micro
 backbone's tokenizer is a byte-level BPE trained on the rendered gold episodes of its world:
 
-- pre-tokenization splits at every newline (kept with its line), isolates every digit, every identifier's letter
-  prefix (the ``k`` of ``k42``) and every *atom* (the words the world's requests vary in: the micro world's item
-  names). A line that recurs (the policy, each tool schema, a
+- pre-tokenization splits at every newline (kept with its line), isolates every digit and every *atom* (the words
+  the world's requests vary in: the micro world's item names). A line that recurs (the policy, each tool schema, a
   tool-call frame) becomes one token; an id or a value is always its digits one by one, and a name always its one
   token, so copying ``k42`` or ``fig`` from the user or a tool result is copying the same tokens wherever they are;
 - the chat template's markers are special tokens at the ids the SmolLM2 tokenizer gives them (``<|endoftext|>`` 0,
@@ -24,8 +23,8 @@ from collections.abc import Iterable
 from typing import Any
 
 # bump when the pre-tokenization or training rules change: every world tokenizer, and every warm start trained with
-# one, gets a new cache key (2: identifier prefixes split from their digits)
-TOKENIZER_VERSION = 2
+# one, gets a new cache key (splitting an id's letter prefix off its digits was tried and dropped: VARIANTS.md v9)
+TOKENIZER_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 (bos 1, eos 2, pad 2 as SmolLM2's)
 
 
@@ -47,10 +46,8 @@ def train_world_tokenizer(texts: Iterable[str], vocab_size: int, chat_template: 
     for a in words:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", a):
             raise ValueError(f"train_world_tokenizer: atom {a!r} is not one word (a letter, then letters or digits)")
-    # one pass: an atom, else an identifier's letter prefix (the k of k47), else one digit. So an id is the same
-    # tokens wherever it appears (k, 4, 7), and copying it is an induction: find the earlier k, copy what followed
-    pieces = "|".join([*([r"\b(?:" + "|".join(re.escape(a) for a in words) + r")\b"] if words else []),
-                       r"\b[A-Za-z]+(?=\d)", r"\d"])
+    # one pass: an atom, else one digit (an id's digits are single tokens; its letter stays with what precedes it)
+    pieces = "|".join([*([r"\b(?:" + "|".join(re.escape(a) for a in words) + r")\b"] if words else []), r"\d"])
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pieces), "isolated"),
         pre_tokenizers.Split("\n", "merged_with_previous"),
