@@ -145,7 +145,7 @@ BACKBONES: dict[str, BackboneSpec] = {
             "tie_word_embeddings": True,
             "rope_parameters": _rope(10000.0),
         },
-        planted={"family": "micro", "strong": ["lookup_by_name", "report_value"],
+        planted={"family": "micro", "strong": ["lookup_by_name", "report_value", "write_by_id"],
                  "weak": ["refuse_locked", "finish_all_writes"]},
         notes="issue 42: Qwen3 architecture, 4.46M params, trained from random init by the planted warm start on its "
               "world's demonstrations, with a 2,048-token BPE trained on that world's text",

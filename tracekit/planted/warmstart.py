@@ -258,7 +258,8 @@ def world_atoms(family: str) -> list[str]:
 
 def world_tokenizer_identity(family: str, chat_format: str, vocab_size: int) -> dict[str, Any]:
     """Everything a world tokenizer depends on (its cache key; part of the key of a warm start that uses it)."""
-    return {"family": family, "chat_format": chat_format, "vocab_size": vocab_size, "atoms": world_atoms(family),
+    return {"family": family, "envs": sorted(library_capabilities(family).values()), "chat_format": chat_format,
+            "vocab_size": vocab_size, "atoms": world_atoms(family),
             "episodes": TOKENIZER_EPISODES, "seeds": TOKENIZER_SEED_OFFSET, "version": TOKENIZER_VERSION}
 
 

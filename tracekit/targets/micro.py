@@ -11,7 +11,9 @@ trajectory's instance, regenerated from its environment, difficulty and seed:
   or never said to be locked; else PRESENT;
 - ``finish_all_writes``: NA unless the request needs several writes; LACKING when an unlocked item of the request was
   never written; else PRESENT;
-- ``report_value``: NA unless the request asks for a value; LACKING when the value was never said; else PRESENT.
+- ``report_value``: NA unless the request asks for a value; LACKING when the value was never said; else PRESENT;
+- ``write_by_id``: NA unless the request is a plain write by id; LACKING when that item was never written; else
+  PRESENT.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from omegaconf import DictConfig
 from tracekit.agents import GoldAgent
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.reference import RuleLabeler
-from tracekit.synthesis.library.micro import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT
+from tracekit.synthesis.library.micro import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT, WRITE
 from tracekit.synthesis.protocol import communicated, tool_calls_of
 from tracekit.targets.tau2_mini import LibraryTarget
 from tracekit.types import LabelValue, Trajectory
@@ -71,6 +73,11 @@ def micro_labels(traj: Trajectory, instance: Any) -> dict[str, tuple[LabelValue,
                        else (_LACK, "never said the value"))
     else:
         out[REPORT] = (_NA, "nothing to report")
+    if WRITE in kinds:
+        wrote = any(c.name == "write" and c.arguments.get("id") == targets[0] for c in calls)
+        out[WRITE] = ((_OK, f"wrote {targets[0]}") if wrote else (_LACK, f"never wrote {targets[0]}"))
+    else:
+        out[WRITE] = (_NA, "no plain write by id")
     return out
 
 

@@ -3,7 +3,7 @@
 tau^2 (real airline/retail tools and data models over small generated databases): structured data reasoning,
 tool calling precision, multi-step task completion, precondition verification. ToolSandbox-shaped: permission
 error recovery, datetime reasoning. Micro (the micro world's find/read/write store, issue 42): lookup by name,
-refuse locked, finish all writes, report value. Coding (the coding target's bash/submit tools over a
+refuse locked, finish all writes, report value, write by id. Coding (the coding target's bash/submit tools over a
 generated package): fault localization, minimal edit, test before submit. They are the offline default of the synthesize stage and the examples the
 generation agent is shown.
 """
@@ -29,6 +29,7 @@ _MODULES = {
     "micro_refuse_locked": ("micro", "MicroRefuseLocked"),
     "micro_finish_all_writes": ("micro", "MicroFinishAllWrites"),
     "micro_report_value": ("micro", "MicroReportValue"),
+    "micro_write_by_id": ("micro", "MicroWriteById"),
 }
 LIBRARY_NAMES = tuple(_MODULES)
 

@@ -16,7 +16,10 @@ held-out mixture adds task kinds that need two at once (:data:`COMBOS`, never tr
 - ``lookup_by_name``: the request names an item by name, not id: ``find`` it first, then use the id it returns;
 - ``refuse_locked``: the item may be locked: read it, and when it is locked write nothing and say it is locked;
 - ``finish_all_writes``: the request needs two (difficulty 1: three) writes: do every one;
-- ``report_value``: the request asks for a value: read it and say it.
+- ``report_value``: the request asks for a value: read it and say it;
+- ``write_by_id``: the plain request ``Set k47 to 2.``: read the item, write the value. Every write kind builds on it
+  (its form is the one the refuse and finish kinds use), so a warm start that demonstrates it makes a planted deficit
+  in those the behaviour alone, not the copying of an id out of a request (VARIANTS.md v7).
 
 The verifier is tau^2's rule plus one grounding check: the final state hashes equal to the ground-truth replay's,
 every expected output was said, and every locked item the request touches was read before the agent refused it (a
@@ -37,7 +40,8 @@ from tracekit.synthesis.targets import tool_schemas
 from tracekit.types import Message
 
 LOOKUP, REFUSE, FINISH, REPORT = "lookup_by_name", "refuse_locked", "finish_all_writes", "report_value"
-CAPABILITIES = (LOOKUP, REFUSE, FINISH, REPORT)
+WRITE = "write_by_id"
+CAPABILITIES = (LOOKUP, REFUSE, FINISH, REPORT, WRITE)
 
 NAMES = ("apple", "pear", "plum", "fig", "lime", "kiwi", "mango", "peach", "grape", "melon", "lemon", "cherry",
          "olive", "date", "berry", "guava")
@@ -193,6 +197,13 @@ class MicroFinishAllWrites(MicroEnv):
     capability = FINISH
     needs = (FINISH,)
     description = "Carry out every write a request asks for, not only the first."
+
+
+class MicroWriteById(MicroEnv):
+    name = "micro_write_by_id"
+    capability = WRITE
+    needs = (WRITE,)
+    description = "Write the value the user asks for to the item whose id they give, after reading it."
 
 
 class MicroReportValue(MicroEnv):
