@@ -148,3 +148,12 @@ def test_a_world_whose_episodes_do_not_fit_the_context_is_refused(make_cfg):
     with pytest.raises(ConfigError, match=r"eval.context_budget=256 is invalid: must be >= \d+: the gold episode of "
                                           r"micro_\S+ \(benchmark.difficulty=1\) is \d+ tokens of the micro tokenizer"):
         validate(make_cfg("experiment=micro", "benchmark.difficulty=1", "eval.context_budget=256"))
+
+
+def test_weak_demonstrations_per_capability():
+    spec = PlantedSpec(family="micro", strong=["write_by_id"], weak=["refuse_locked", "finish_all_writes"],
+                       demos_strong=8, demos_weak={"refuse_locked": 2, "finish_all_writes": 5})
+    assert spec.demo_counts() == {"write_by_id": 8, "refuse_locked": 2, "finish_all_writes": 5}
+    with pytest.raises(ValueError, match="a count for each weak capability"):
+        PlantedSpec(family="micro", strong=["write_by_id"], weak=["refuse_locked", "finish_all_writes"],
+                    demos_weak={"refuse_locked": 2})

@@ -99,7 +99,8 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tracekit.planted.bands", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs/bands"))
-    p.add_argument("--demos-weak", type=int, nargs="*", default=[], help="demonstration counts to measure")
+    p.add_argument("--demos-weak", type=int, nargs="*", default=[],
+                   help="demonstration counts to measure (one count for every weak capability)")
     p.add_argument("--epochs", type=int, nargs="*", default=[], help="warm-start SFT epochs to measure")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: grpo.temperature)")
     p.add_argument("--seeds", type=int, default=16)
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     temperature = float(cfg.grpo.temperature if a.temperature is None else a.temperature)
     planted = base["planted"]
     rows: dict[str, Any] = {}
-    for n in a.demos_weak or [int(planted["demos_weak"])]:
+    for n in a.demos_weak or [planted["demos_weak"]]:  # an int, or {capability: count}
         for epochs in a.epochs or [int(planted["sft"]["epochs"])]:
             backbone = {**base, "planted": {**planted, "demos_weak": n, "sft": {**planted["sft"], "epochs": epochs}}}
             # cache_dir None: the warm start's own cache root (~/.cache/tracekit or $TRACEKIT_CACHE), as the app's

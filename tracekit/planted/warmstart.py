@@ -85,7 +85,7 @@ class PlantedSpec:
     strong: list[str]
     weak: list[str]
     demos_strong: int = 48
-    demos_weak: int = 0
+    demos_weak: int | dict[str, int] = 0  # per weak capability: one count for all, or {capability: count}
     difficulty: int = 0
     seed: int = 0
     family: str = FAMILY
@@ -110,7 +110,13 @@ class PlantedSpec:
             raise ValueError(f"backbone.planted: {both} both strong and weak")
         if len(set(self.strong)) != len(self.strong) or len(set(self.weak)) != len(self.weak):
             raise ValueError("backbone.planted: a capability is listed twice")
-        if self.demos_strong < 1 or self.demos_weak < 0:
+        if isinstance(self.demos_weak, dict):
+            self.demos_weak = {str(k): int(v) for k, v in self.demos_weak.items()}
+            if set(self.demos_weak) != set(self.weak):
+                raise ValueError(f"backbone.planted.demos_weak: a count for each weak capability ({self.weak}), got "
+                                 f"{sorted(self.demos_weak)}")
+        weak_counts = self.demos_weak.values() if isinstance(self.demos_weak, dict) else [self.demos_weak]
+        if self.demos_strong < 1 or min(weak_counts) < 0:
             raise ValueError(f"backbone.planted: demos_strong must be >= 1 and demos_weak >= 0, got "
                              f"{self.demos_strong}, {self.demos_weak}")
         if self.sft.lr <= 0 or self.sft.epochs < 1 or self.sft.batch_size < 1 or self.sft.rank < 1:
@@ -137,7 +143,8 @@ class PlantedSpec:
         return {c: known[c] for c in [*self.strong, *self.weak]}
 
     def demo_counts(self) -> dict[str, int]:
-        return {**{c: self.demos_strong for c in self.strong}, **{c: self.demos_weak for c in self.weak}}
+        weak = self.demos_weak if isinstance(self.demos_weak, dict) else dict.fromkeys(self.weak, self.demos_weak)
+        return {**{c: self.demos_strong for c in self.strong}, **{c: weak[c] for c in self.weak}}
 
     def demo_seeds(self, n: int) -> range:
         start = DEMO_SEED_OFFSET + self.seed * DEMO_SEED_STRIDE
