@@ -53,7 +53,7 @@ def _success(model, tokenizer, out) -> float:
 
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     cache = tmp_path_factory.mktemp("micro-cache")
     path = planted_dir(get_spec(SMALL_MICRO), "cpu", cache) / "model"

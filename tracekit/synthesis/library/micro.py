@@ -2,7 +2,7 @@
 
 A store of named items, each ``{"name", "value", "locked"}`` under a short id (``k42``). Every environment of the
 family shares one interface, the target's (:func:`micro_tools`, :data:`MICRO_POLICY`): three tools and a
-four-line policy.
+three-line policy.
 
 - ``find(name)`` -> ``{"id": ...}``: the id of the item called ``name``;
 - ``read(id)`` -> ``{"value": v, "locked": b}``;
@@ -25,7 +25,8 @@ The verifier is tau^2's rule plus one grounding check: the final state hashes eq
 every expected output was said, and every locked item the request touches was read before the agent refused it (a
 refusal without looking is a guess, not the capability). Episodes are short by design: the gold episode of every
 kind, prompt and tool schemas included, fits in 256 tokens of the micro backbone's tokenizer
-(``tracekit.planted.micro``; held by ``tests/test_micro.py``).
+(``llm/world_tokenizer.py``; held by ``tests/test_micro.py``, and refused at validation when a configuration
+exceeds its context).
 """
 
 from __future__ import annotations
