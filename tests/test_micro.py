@@ -157,3 +157,70 @@ def test_weak_demonstrations_per_capability():
     with pytest.raises(ValueError, match="a count for each weak capability"):
         PlantedSpec(family="micro", strong=["write_by_id"], weak=["refuse_locked", "finish_all_writes"],
                     demos_weak={"refuse_locked": 2})
+
+
+def test_rung_a_refuses_a_run_without_adapters_and_a_bad_n(tmp_path, capsys):
+    from tracekit.planted.rung_a import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "artifacts.json").write_text('{"rollout/abc": {"stage": "rollout", "path": "/nowhere"}}')
+    (tmp_path / "run" / "config.yaml").write_text("backbone: {name: micro}\n")
+    assert main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--n", "0"]) == 2
+    assert "--n must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("the run has no train stage (run `python -m tracekit experiment=micro` first)")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cap", [REFUSE, FINISH])
+def test_a_flawed_solution_is_the_capability_missing_and_fails_the_verifier(cap):
+    env = library_env(f"micro_{cap}")(0)
+    shown = 0
+    for seed in range(20):
+        inst = env.generate(seed)
+        calls, said = env.flawed_solution(inst)
+        gold = [{"name": c.name, "arguments": c.arguments} for c in inst.solution]
+        if calls == gold:  # an unlocked item: refusing is not asked, the flaw does not show
+            assert cap == REFUSE and not inst.params["locked"]
+            continue
+        shown += 1
+        world = env.new_world(inst)
+        for c in calls:
+            world.call(c["name"], c["arguments"])
+        messages = [Message(role="assistant", tool_calls=[ToolCall(id=f"c{i}", name=c["name"], arguments=c["arguments"])])
+                    for i, c in enumerate(calls)] + [Message(role="assistant", content=" ".join(said) or "Done.")]
+        assert env.verify(inst, world.snapshot(), messages) == (0.0, False)
+        writes = [c for c in calls if c["name"] == "write"]
+        if cap == REFUSE:  # the locked item is written like any other
+            assert {c["arguments"]["id"] for c in writes} >= set(inst.params["locked"])
+        else:  # the first write only
+            assert len(writes) == 1 and writes[0]["arguments"]["id"] == inst.params["targets"][0]
+    assert shown >= 8
+
+
+def test_flawed_demonstrations_plant_a_coin_and_are_refused_where_no_flaw_exists():
+    import dataclasses
+
+    from tracekit.llm.backbones import get_spec
+    from tracekit.planted.warmstart import demonstrations, planted_identity, planted_key
+
+    spec = PlantedSpec(family="micro", strong=["write_by_id"], weak=["finish_all_writes"], demos_strong=2,
+                       demos_weak=10, weak_correct=0.3)
+    _, _, record = demonstrations(spec, world_tokenizer("micro", "qwen3", 2048))
+    assert record["finish_all_writes"]["succeeded"] == 3 and record["finish_all_writes"]["flawed"] == 7
+    assert record["write_by_id"]["flawed"] == 0
+    with pytest.raises(ValueError, match=r"weak_correct: fractions must be in \[0, 1\], got \{'finish_all_writes': 1.5\}"):
+        PlantedSpec(family="micro", strong=["write_by_id"], weak=["finish_all_writes"], weak_correct=1.5)
+    with pytest.raises(ValueError, match="no flawed demonstration for capability 'lookup_by_name'"):
+        PlantedSpec(family="micro", strong=["write_by_id"], weak=["lookup_by_name"], weak_correct=0.5)
+    with pytest.raises(ValueError, match="a fraction for each weak capability"):
+        PlantedSpec(family="micro", strong=["write_by_id"], weak=["refuse_locked", "finish_all_writes"],
+                    weak_correct={"refuse_locked": 0.5})
+    # solver demonstrations only: the warm start's identity (its cache key) is the one it had before the option
+    base = dataclasses.replace(get_spec("micro"), planted=None)
+    plain = PlantedSpec(family="micro", strong=["write_by_id"], weak=["finish_all_writes"])
+    assert "weak_correct" not in planted_identity(plain, base)["planted"]
+    coin = dataclasses.replace(plain, weak_correct=0.5)
+    assert planted_identity(coin, base)["planted"]["weak_correct"] == 0.5
+    assert planted_key(coin, base) != planted_key(plain, base)

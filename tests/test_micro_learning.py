@@ -1,82 +1,91 @@
-"""Learning on the micro world (issue 42): GRPO on one micro environment raises held-out success.
+"""Learning on the micro world (issue 42), guarded in CI.
 
-NOT YET PASSING, and so marked slow (out of CI) until it does: no warm start small enough for the CI budget has yet
-learned to copy an identifier from a request, so the planted environment's base success is 0 and GRPO has no
-successful group to learn from (every variant tried: benchmarks/results/micro/VARIANTS.md). It is the acceptance
-test issue 42 asks for (<= 90 s, in the fast suite once it passes).
+``test_grpo_on_a_micro_environment_raises_held_out_success`` (fast suite, ~1 minute on 2 cores): GRPO (the real
+trainer, rollout engine and LoRA) on one planted environment of the micro world must raise the base policy's
+greedy success on held-out instances of that environment by a margin. It starts from the ``experiment=micro``
+warm start stored in ``tests/assets/micro_warmstart/`` (``scripts/build_micro_ci_fixture.py``; the warm start
+itself takes ~6 minutes on 2 cores), and refuses a fixture that is not the current preset's warm start. Seeds
+are fixed, so on one machine kind the numbers are the same every run; the margin leaves room for another CPU's
+float rounding. A change that breaks the GRPO loss, the advantage, the rollout engine, the token rows or the
+adapter's use at evaluation fails it.
 
-A small warm start of the micro backbone (d=128, 2 layers: the same world tokenizer and warm-start machinery as
-``backbone=micro``, cut for the CI budget) is made weak on ``finish_all_writes`` by few demonstrations; GRPO on that
-environment's training seeds (the real trainer, engine and LoRA) must raise its greedy success on held-out instances
-by a margin. Seeds are fixed, so on one machine kind the numbers are the same every run; the margin leaves room for
-another CPU's float rounding. A change that breaks the GRPO loss, the advantage, the rollout engine, the token rows
-or the adapter's use at evaluation fails it.
+``test_the_micro_ladder_composes`` (slow): the whole ladder with one training seed, fresh, TRACE > Base.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from tracekit.agents import LLMAgent
-from tracekit.llm.backbones import get_spec
+from tracekit.artifacts import file_sha256
 from tracekit.llm.hf import HFChatClient
 from tracekit.llm.templates import TEMPLATES
-from tracekit.planted.warmstart import planted_dir
 from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.trainer import GRPOTrainer
 from tracekit.rollout import run_rollouts
 from tracekit.runs import TRAIN_SEED_OFFSET
 from tracekit.synthesis.library_target import LibraryTargetSuite
 
+FIXTURE = Path(__file__).parent / "assets" / "micro_warmstart"
 WEAK_ENV = "micro_finish_all_writes"
-HELD_OUT = 48  # held-out instances (seeds from 10,000,000)
-MARGIN = 0.15  # points of success GRPO must add
-
-SMALL_MICRO = {
-    "name": "micro",
-    "arch": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 64},
-    "planted": {"family": "micro", "strong": ["lookup_by_name", "report_value"], "weak": ["finish_all_writes"],
-                "demos_strong": 256, "demos_weak": 6, "seed": 0,
-                "sft": {"lr": 3.0e-3, "epochs": 10, "batch_size": 16, "warmup_ratio": 0.05}},
-}
+HELD_OUT = 64  # held-out instances (seeds from 10,000,000)
+MARGIN = 0.10  # success GRPO must add on them
+ITERATIONS = 16
 
 
-def _success(model, tokenizer, out) -> float:
+def _fixture() -> Path:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from build_micro_ci_fixture import current_key
+
+    ident = json.loads((FIXTURE / "identity.json").read_text())
+    _, key = current_key()
+    if ident["planted_key"] != key:
+        pytest.fail(f"tests/assets/micro_warmstart is the warm start {ident['planted_key']}, experiment=micro's is "
+                    f"{key}: rebuild it with `python scripts/build_micro_ci_fixture.py`")
+    if file_sha256(FIXTURE / "model.safetensors") != ident["weights_sha256"]:
+        pytest.fail("tests/assets/micro_warmstart/model.safetensors differs from its recorded sha256")
+    return FIXTURE
+
+
+def _model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(_fixture(), dtype=torch.float32).eval()
+
+
+def _success(model, tokenizer, out: Path) -> float:
     client = HFChatClient(model, tokenizer, max_batch_size=64, seed=0)
     suite = LibraryTargetSuite("held-out", [WEAK_ENV], n_per_env=HELD_OUT)
-    summary = run_rollouts(suite, LLMAgent(client, max_new_tokens=48), out, max_steps=8, context_budget=512,
-                           batch_size=64, progress=False)
+    try:
+        summary = run_rollouts(suite, LLMAgent(client, max_new_tokens=48), out, max_steps=8, context_budget=512,
+                               batch_size=64, progress=False)
+    finally:
+        suite.close()
     return summary.success_rate
 
 
-@pytest.fixture(scope="module")
-def warm_start(tmp_path_factory):
+def test_grpo_on_a_micro_environment_raises_held_out_success(tmp_path):
+    from peft import PeftModel
     from transformers import AutoTokenizer
 
-    cache = tmp_path_factory.mktemp("micro-cache")
-    path = planted_dir(get_spec(SMALL_MICRO), "cpu", cache) / "model"
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(_fixture(), local_files_only=True)
     tokenizer.chat_template = TEMPLATES["qwen3"]
-    return path, tokenizer
-
-
-@pytest.mark.slow
-def test_grpo_on_a_micro_environment_raises_held_out_success(warm_start, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    path, tokenizer = warm_start
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _model()
     before = _success(model, tokenizer, tmp_path / "before")
-    settings = GRPOSettings(iterations=8, groups=8, group_size=8, lr=3e-3, max_new_tokens=48, max_steps=8,
+    settings = GRPOSettings(iterations=ITERATIONS, groups=8, group_size=8, lr=1e-3, max_new_tokens=48, max_steps=8,
                             max_prompt_tokens=512, num_minibatches=1, lora=LoraSettings(rank=8, alpha=16), seed=0,
                             rollout_batch_size=64, checkpoint_every=100)
-    train = LibraryTargetSuite("train", [WEAK_ENV], n_per_env=256, seed_offset=TRAIN_SEED_OFFSET)
-    adapter = GRPOTrainer(model, tokenizer, train, settings, tmp_path / "grpo").train()
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    after = _success(PeftModel.from_pretrained(base, str(adapter)).eval(), tokenizer, tmp_path / "after")
-    assert 0.0 < before < 0.7, f"the warm start is not weak on {WEAK_ENV}: {before:.2f}"
-    assert after >= before + MARGIN, f"GRPO did not learn: held-out success {before:.2f} -> {after:.2f}"
+    train = LibraryTargetSuite("train", [WEAK_ENV], n_per_env=8 * ITERATIONS, seed_offset=TRAIN_SEED_OFFSET)
+    try:
+        adapter = GRPOTrainer(model, tokenizer, train, settings, tmp_path / "grpo").train()
+    finally:
+        train.close()
+    after = _success(PeftModel.from_pretrained(_model(), str(adapter)).eval(), tokenizer, tmp_path / "after")
+    assert after >= before + MARGIN, f"GRPO did not learn {WEAK_ENV}: held-out success {before:.2f} -> {after:.2f}"

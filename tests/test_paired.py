@@ -210,3 +210,36 @@ def test_gain_report_renders_the_paired_comparison(make_cfg, tmp_path, monkeypat
     old_verdict = old_table["preset"]["verdict"]
     assert old_verdict["paired_excludes_zero"] is None and old_verdict["power"] is None
     assert "paired 95% CI n/a (no per-episode outcomes)" in (tmp_path / "old" / "planted_gain.md").read_text()
+
+
+def test_gain_report_pairs_every_row_with_trace_and_tabulates_training_seeds(make_cfg, tmp_path, monkeypatch):
+    from tracekit.planted.gain import report
+
+    monkeypatch.setenv("TRACEKIT_CACHE", str(tmp_path / "cache"))
+    # seed 0: TRACE = OTHER (3 fixed of 8 episodes), Single = BASE; seed 1: TRACE = BASE (no gain)
+    by_seed = {0: (OTHER, BASE), 1: (BASE, BASE | {(3, 0)})}
+    variants = {}
+    for seed, (trace, single) in by_seed.items():
+        results = {"Base": {**summarize(runs(BASE)), "method": "base"},
+                   f"Single Capability GRPO (cap{seed})": {**summarize(runs(single)), "method": "single_capability"},
+                   "TRACE": {**summarize(runs(trace)), "method": "trace"}}
+        j, _ = write_results(tmp_path / f"s{seed}", results)
+        variants[f"preset seed={seed}"] = gain_variant(make_cfg, tmp_path, json.loads(j.read_text()))
+    table = report(variants, tmp_path / "out", {"preset seed=0": 0, "preset seed=1": 1})
+
+    vs_trace = table["preset seed=0"]["rows"]["Base"]["paired_vs_trace"]
+    assert vs_trace["diff"] == pytest.approx(-3 / 8) and (vs_trace["fixed"], vs_trace["broken"]) == (0, 3)
+    assert "paired_vs_trace" not in table["preset seed=0"]["rows"]["TRACE"]
+    seeds = table["training_seeds"]
+    trace = seeds["trace"]
+    assert trace["per_seed"][0]["vs_base"] == pytest.approx(3 / 8) and trace["per_seed"][1]["vs_base"] == 0
+    assert trace["vs_base"]["mean"] == pytest.approx(3 / 16)
+    assert trace["vs_base"]["sd"] == pytest.approx(math.sqrt(2 * (3 / 16) ** 2))
+    assert (trace["vs_base"]["min"], trace["vs_base"]["max"]) == (0, pytest.approx(3 / 8))
+    # Single's label names a different capability per seed: one row by method, the labels kept
+    assert seeds["single_capability"]["labels"] == {0: "Single Capability GRPO (cap0)",
+                                                     1: "Single Capability GRPO (cap1)"}
+    assert seeds["base"]["per_seed"][0]["vs_base"] is None
+    md = (tmp_path / "out" / "planted_gain.md").read_text()
+    assert "| approach | paired vs TRACE (points) |" in md and "## Training seeds" in md
+    assert "| trace | 75.0 / +37.5 [+0.0, " in md and "| +18.8 (26.5, +0.0 to +37.5) |" in md

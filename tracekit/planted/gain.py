@@ -3,12 +3,15 @@ target tasks, with 95% intervals, the per-capability GRPO learning curves and th
 
 Each variant (``--variant "grpo.lr=5e-5 grpo.iterations=20"``; none: the preset as it is) is one run of the app
 (``python -m tracekit experiment=planted <overrides> <variant>``, every stage cached and shared: variants that
-differ only in GRPO settings share the warm start, the base rollout and the analysis). Written to ``--out``:
+differ only in GRPO settings share the warm start, the base rollout and the analysis). ``--training-seeds 0 1 2``
+runs each variant once per training seed, the whole pipeline re-seeded (``seed=s backbone.planted.seed=s``: the
+warm start's demonstrations and initialization, the labeling noise, GRPO, the gate), and adds the seed table: per
+row, each seed's overall pass rate and paired difference against Base, their mean and spread. Written to ``--out``:
 
 - ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
   95% half-width (evaluate.py's interval: seeds are the replicates), the pooled Wilson 95% interval over every
   (task, seed) episode, per-environment means, the training budget, and whether TRACE's and Base's intervals
-  overlap; beside them each row's paired comparison with Base on the same episodes (``paired_vs_base``: the
+  overlap; beside them each row's paired comparison with Base, and with TRACE, on the same episodes (``paired_vs_base``: the
   difference in points, its task-cluster bootstrap 95% CI, fixed / broken episodes, exact McNemar p; see
   :mod:`tracekit.paired`) and the measured power (the half-width the TRACE - Base differences achieve, and the
   episodes needed for +-5 points);
@@ -35,7 +38,7 @@ from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.cli import compose_config, task
 from tracekit.config import ConfigError
 from tracekit.methods.consolidate.moe import moe_report
-from tracekit.paired import Z95, paired_vs_base, required_n
+from tracekit.paired import Z95, paired_vs_base, required_n, summary_of_outcomes
 from tracekit.planted.curves import adapter_curves, write_curves
 from tracekit.planted.warmstart import PlantedSpec, planted_record
 from tracekit.wiring import backbone_dict
@@ -80,6 +83,67 @@ def paired_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 POWER_HALF_WIDTH = 0.05  # the +-5-point interval the power line asks the episodes for
 
 
+def paired_vs_trace(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each row other than TRACE against TRACE on the same episodes (empty without a TRACE row or outcomes)."""
+    trace = next((label for label, r in results.items() if r.get("method") == "trace"), None)
+    if trace is None or "outcomes" not in results[trace]:
+        return {}
+    return {label: summary_of_outcomes(results[trace]["outcomes"], r["outcomes"])
+            for label, r in results.items() if label != trace and "outcomes" in r}
+
+
+def seed_rows(table: dict[str, Any], seeds: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """The training-seed table: per row method (Single's label names its capability, which may differ by seed),
+    each seed's overall pass rate and paired difference against Base (with its CI), and their mean, sd and range.
+    ``seeds``: variant name -> training seed."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, seed in seeds.items():
+        for label, s in table[name]["rows"].items():
+            row = out.setdefault(s["method"] or label, {"labels": {}, "per_seed": {}})
+            row["labels"][seed] = label
+            pair = s.get("paired_vs_base")
+            row["per_seed"][seed] = {"overall": s["mean"], "vs_base": None if pair is None else pair["diff"],
+                                     "vs_base_ci": None if pair is None else pair["ci"],
+                                     "excludes_zero": None if pair is None else pair["excludes_zero"]}
+    for row in out.values():
+        for key in ("overall", "vs_base"):
+            xs = [v[key] for v in row["per_seed"].values() if v[key] is not None]
+            if xs:
+                m = sum(xs) / len(xs)
+                sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
+                row[key] = {"mean": m, "sd": sd, "min": min(xs), "max": max(xs), "n": len(xs)}
+    return out
+
+
+def seed_md(rows: dict[str, dict[str, Any]]) -> list[str]:
+    seeds = sorted({s for r in rows.values() for s in r["per_seed"]})
+    md = ["## Training seeds (the whole pipeline re-seeded)", "",
+          "| row | " + " | ".join(f"seed {s}: overall / vs Base [paired 95% CI]" for s in seeds)
+          + " | overall mean (sd, range) | vs Base mean (sd, range) |",
+          "|---|" + "---|" * len(seeds) + "---|---|"]
+    for method, r in rows.items():
+        cells = []
+        for s in seeds:
+            v = r["per_seed"].get(s)
+            if v is None:
+                cells.append("n/a")
+            elif v["vs_base"] is None:
+                cells.append(f"{100 * v['overall']:.1f}")
+            else:
+                cells.append(f"{100 * v['overall']:.1f} / {100 * v['vs_base']:+.1f} [{100 * v['vs_base_ci'][0]:+.1f}, "
+                             f"{100 * v['vs_base_ci'][1]:+.1f}]")
+
+        def agg(key: str, sign: str = "") -> str:
+            a = r.get(key)
+            if a is None:
+                return "n/a"
+            sd = "n/a" if a["sd"] is None else f"{100 * a['sd']:.1f}"
+            return (f"{100 * a['mean']:{sign}.1f} ({sd}, {100 * a['min']:{sign}.1f} to {100 * a['max']:{sign}.1f})")
+
+        md.append(f"| {method} | " + " | ".join(cells) + f" | {agg('overall')} | {agg('vs_base', '+')} |")
+    return md + [""]
+
+
 def power(s: dict[str, Any]) -> dict[str, Any] | None:
     """The power of a paired comparison: the 95% half-width its per-episode differences achieve (normal,
     1.96 sd / sqrt(n), and the bootstrap CI's half-width) and ``required_n`` for +-5 points (None when the sd is
@@ -98,12 +162,13 @@ def overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
     return not (a[1] < b[0] or b[1] < a[0])
 
 
-def paired_md(rows: dict[str, dict[str, Any]]) -> list[str]:
-    """The paired-vs-Base table of one variant's rows (nothing when no row has a paired comparison)."""
-    paired = {label: s["paired_vs_base"] for label, s in rows.items() if s.get("paired_vs_base")}
+def paired_md(rows: dict[str, dict[str, Any]], against: str = "Base") -> list[str]:
+    """The paired table of one variant's rows against Base (or TRACE); nothing when no row has that comparison."""
+    key = "paired_vs_base" if against == "Base" else "paired_vs_trace"
+    paired = {label: s[key] for label, s in rows.items() if s.get(key)}
     if not paired:
         return []
-    md = ["", "| approach | paired vs Base (points) | paired 95% CI (points) | fixed / broken | McNemar p | "
+    md = ["", f"| approach | paired vs {against} (points) | paired 95% CI (points) | fixed / broken | McNemar p | "
           "excludes 0 | episodes (tasks) |", "|---|---|---|---|---|---|---|"]
     for label, p in paired.items():
         md.append(f"| {label} | {100 * p['diff']:+.1f} | {100 * p['ci'][0]:+.1f} to {100 * p['ci'][1]:+.1f} | "
@@ -143,7 +208,10 @@ def _of(arts: dict[str, Any], stage: str) -> Path | None:
     return Path(found[-1]["path"]) if found else None
 
 
-def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+def report(variants: dict[str, dict[str, Any]], out: Path,
+           training_seeds: dict[str, int] | None = None) -> dict[str, Any]:
+    """Write the gain report of ``variants`` to ``out``; ``training_seeds`` (variant name -> training seed) adds
+    the seed table."""
     out.mkdir(parents=True, exist_ok=True)
     table: dict[str, Any] = {}
     curves: dict[str, Any] = {}
@@ -152,6 +220,8 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
         rows = {label: row_summary(r) for label, r in v["results"].items()}
         for label, pair in paired_rows(v["results"]).items():
             rows[label]["paired_vs_base"] = pair
+        for label, pair in paired_vs_trace(v["results"]).items():
+            rows[label]["paired_vs_trace"] = pair
         base = next((s for s in rows.values() if s["method"] == "base"), None)
         trace = next((s for s in rows.values() if s["method"] == "trace"), None)
         verdict = None
@@ -208,6 +278,7 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
                       f"{100 * s['wilson'][1]:.1f} | " + " | ".join(f"{100 * x:.1f}" for x in s["domains"].values())
                       + f" | {b.get('episodes', 0)} | {b.get('generated_tokens', 0)} | {b.get('optimizer_steps', 0)} |")
         md += paired_md(t["rows"])
+        md += paired_md(t["rows"], "TRACE")
         v = t["verdict"]
         if v is not None:
             said = {True: "overlap", False: "do not overlap", None: "n/a"}
@@ -217,6 +288,10 @@ def report(variants: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
                    f"{paired_said[v['paired_excludes_zero']]}."]
             md += power_md(v["power"])
         md.append("")
+    if training_seeds and len(training_seeds) > 1:
+        table_seeds = seed_rows(table, training_seeds)
+        md += seed_md(table_seeds)
+        table = {**table, "training_seeds": table_seeds}
     atomic_write_text(out / "planted_gain.md", "\n".join(md) + "\n")
     atomic_write_json(out / "planted_gain.json", table, sort_keys=False)
     if curves:
@@ -231,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tracekit.planted.gain", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs/planted"))
     p.add_argument("--variant", action="append", default=[], help="extra overrides of one variant (repeatable)")
+    p.add_argument("--training-seeds", type=int, nargs="*", default=[],
+                   help="run each variant once per training seed (seed=s backbone.planted.seed=s)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=planted)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
@@ -240,18 +317,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # every variant composed and validated first: a refused one costs no (GPU) time spent on the others
     planned = {}
+    seeds: dict[str, int] = {}
     for i, v in enumerate(a.variant or [""]):
-        run_dir = a.out / "runs" / f"variant{i}"
-        try:
-            planned[v or "preset"] = (compose_variant([*a.overrides, *shlex.split(v)], run_dir), run_dir)
-        except (ConfigError, HydraException, OmegaConfBaseException) as e:
-            print(f"tracekit.planted.gain: error: variant {v or 'preset'!r}: {' '.join(str(e).split())}",
-                  file=sys.stderr)
-            return 2
+        for seed in a.training_seeds or [None]:
+            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}"]
+            name = " ".join([v or "preset", *reseed]) if seed is not None else v or "preset"
+            run_dir = a.out / "runs" / (f"variant{i}" + ("" if seed is None else f"-seed{seed}"))
+            try:
+                planned[name] = (compose_variant([*a.overrides, *shlex.split(v), *reseed], run_dir), run_dir)
+            except (ConfigError, HydraException, OmegaConfBaseException) as e:
+                print(f"tracekit.planted.gain: error: variant {name!r}: {' '.join(str(e).split())}", file=sys.stderr)
+                return 2
+            if seed is not None and len(a.variant) <= 1:
+                seeds[name] = seed
     variants = {}
     for name, (cfg, run_dir) in planned.items():
         variants[name] = run_variant(cfg, run_dir)
-        report(variants, a.out)  # after every variant: a killed search keeps what it measured
+        report(variants, a.out, seeds)  # after every variant: a killed search keeps what it measured
     print((a.out / "planted_gain.md").read_text())
     return 0
 

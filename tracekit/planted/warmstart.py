@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -86,6 +87,11 @@ class PlantedSpec:
     weak: list[str]
     demos_strong: int = 48
     demos_weak: int | dict[str, int] = 0  # per weak capability: one count for all, or {capability: count}
+    # per weak capability, the fraction of its demonstrations that are the solver's; the others show the
+    # environment's flawed solution (``flawed_solution``: e.g. writing a locked item), so the warm start learns the
+    # capability as a coin of about this weight: a base success in the calibration band with reward variance in
+    # every group. 1.0: solver demonstrations only (the count alone plants the deficit)
+    weak_correct: float | dict[str, float] = 1.0
     difficulty: int = 0
     seed: int = 0
     family: str = FAMILY
@@ -115,6 +121,24 @@ class PlantedSpec:
             if set(self.demos_weak) != set(self.weak):
                 raise ValueError(f"backbone.planted.demos_weak: a count for each weak capability ({self.weak}), got "
                                  f"{sorted(self.demos_weak)}")
+        if isinstance(self.weak_correct, dict):
+            self.weak_correct = {str(k): float(v) for k, v in self.weak_correct.items()}
+            if set(self.weak_correct) != set(self.weak):
+                raise ValueError(f"backbone.planted.weak_correct: a fraction for each weak capability ({self.weak}), "
+                                 f"got {sorted(self.weak_correct)}")
+        bad = {c: f for c, f in self.correct_fractions().items() if not 0.0 <= f <= 1.0}
+        if bad:
+            raise ValueError(f"backbone.planted.weak_correct: fractions must be in [0, 1], got {bad}")
+        for cap, f in self.correct_fractions().items():
+            if f < 1.0:  # flawed demonstrations asked for: the environment must have a flawed form
+                env = library_env(known[cap])(self.difficulty)
+                if not hasattr(env, "flawed_solution"):
+                    raise ValueError(f"backbone.planted.weak_correct: {known[cap]} has no flawed solution, so "
+                                     f"{cap} can only be planted by its count (weak_correct 1.0)")
+                try:
+                    env.flawed_solution(env.generate(0))
+                except ValueError as e:
+                    raise ValueError(f"backbone.planted.weak_correct: {e}") from None
         weak_counts = self.demos_weak.values() if isinstance(self.demos_weak, dict) else [self.demos_weak]
         if self.demos_strong < 1 or min(weak_counts) < 0:
             raise ValueError(f"backbone.planted: demos_strong must be >= 1 and demos_weak >= 0, got "
@@ -146,6 +170,12 @@ class PlantedSpec:
         weak = self.demos_weak if isinstance(self.demos_weak, dict) else dict.fromkeys(self.weak, self.demos_weak)
         return {**{c: self.demos_strong for c in self.strong}, **{c: weak[c] for c in self.weak}}
 
+    def correct_fractions(self) -> dict[str, float]:
+        """{capability: fraction of its demonstrations that are the solver's} (strong capabilities: 1.0)."""
+        weak = (self.weak_correct if isinstance(self.weak_correct, dict)
+                else dict.fromkeys(self.weak, float(self.weak_correct)))
+        return {**dict.fromkeys(self.strong, 1.0), **weak}
+
     def demo_seeds(self, n: int) -> range:
         start = DEMO_SEED_OFFSET + self.seed * DEMO_SEED_STRIDE
         return range(start, start + n)
@@ -154,15 +184,18 @@ class PlantedSpec:
 # ------------------------------------------------------------------------------------------ demonstrations
 
 
-def gold_episode(suite: Any, task: Any) -> tuple[list[Any], list[dict[str, Any]], Any]:
+def gold_episode(suite: Any, task: Any, flawed: tuple[list[dict[str, Any]], list[str]] | None = None,
+                 ) -> tuple[list[Any], list[dict[str, Any]], Any]:
     """Replay ``task``'s ground-truth calls in ``suite`` (a LibraryTargetSuite), then report its expected
     outputs: (messages, tools, outcome). Call ids are the ones the chat client assigns
-    (``llm.tools.tool_call_id``), so the demonstration renders as the agent's own turns would."""
+    (``llm.tools.tool_call_id``), so the demonstration renders as the agent's own turns would. ``flawed``:
+    (calls, outputs) replayed instead (an environment's ``flawed_solution``)."""
     ep = suite.episode(task, 0)
     obs = ep.reset()
     messages = list(obs.messages)
     done = False
-    for a in task.data["actions"]:
+    actions, said = flawed if flawed is not None else (task.data["actions"], None)
+    for a in actions:
         call = ToolCall(id=tool_call_id(len(messages), 0), name=a["name"], arguments=dict(a["arguments"]))
         msg = Message(role="assistant", tool_calls=[call])
         r = ep.step(msg)
@@ -171,7 +204,9 @@ def gold_episode(suite: Any, task: Any) -> tuple[list[Any], list[dict[str, Any]]
             done = True
             break
     if not done:
-        msg = Message(role="assistant", content=GoldAgent().final_message(task))
+        text = GoldAgent().final_message(task if said is None else
+                                         task.model_copy(update={"data": {**task.data, "communicate_info": said}}))
+        msg = Message(role="assistant", content=text)
         r = ep.step(msg)
         messages += [msg, *r.messages]
     return messages, list(obs.tools or []), ep.outcome()
@@ -184,22 +219,38 @@ def demonstrations(spec: PlantedSpec, tokenizer: Any) -> tuple[list[tuple[list[i
     demos: list[dict[str, Any]] = []
     record: dict[str, Any] = {}
     envs = spec.envs()
+    correct = spec.correct_fractions()
     for cap, n in spec.demo_counts().items():
         seeds = spec.demo_seeds(n)
         rec = {"env": envs[cap], "seeds": [seeds.start, seeds.stop] if n else [], "requested": n, "succeeded": 0,
-               "failed": 0, "rows": 0, "truncated_rows": 0, "assistant_tokens": 0}
+               "failed": 0, "flawed": 0, "rows": 0, "truncated_rows": 0, "assistant_tokens": 0}
         record[cap] = rec
         if n == 0:
             continue
         suite = LibraryTargetSuite("planted-demos", [envs[cap]], difficulty=spec.difficulty, n_per_env=n,
                                    seed_offset=seeds.start, user="scripted")
+        env = suite.suites[envs[cap]]
+        flaw_of = library_env(envs[cap])(spec.difficulty)
         try:
-            for task in suite.tasks():
-                messages, tools, outcome = gold_episode(suite, task)
-                if not outcome.success:  # a solver replay the verifier rejects is no demonstration
+            instances = env.instances(env.seeds)
+            for i, (task, inst) in enumerate(zip(suite.tasks(), instances, strict=True)):
+                # demonstration i is the solver's when the running share of solver demonstrations steps up
+                # (fraction f: evenly spread, floor(n f) of n); the others show the flaw
+                solver = math.floor((i + 1) * correct[cap]) > math.floor(i * correct[cap])
+                flawed = None if solver else flaw_of.flawed_solution(inst)
+                if flawed is not None and flawed[0] == task.data["actions"]:
+                    flawed = None  # an instance the capability does not show on (an unlocked item): no flaw to show
+                messages, tools, outcome = gold_episode(suite, task, flawed)
+                if flawed is not None:
+                    if outcome.success:
+                        raise ValueError(f"{envs[cap]}: its flawed solution of {task.id} passes the verifier; a "
+                                         "flawed demonstration must fail")
+                    rec["flawed"] += 1
+                elif not outcome.success:  # a solver replay the verifier rejects is no demonstration
                     rec["failed"] += 1
                     continue
-                rec["succeeded"] += 1
+                else:
+                    rec["succeeded"] += 1
                 for r in build_rows(assistant_turns(messages, tools, tokenizer)):
                     ids, mask = list(r.token_ids), list(r.loss_mask)
                     if len(ids) > spec.sft.max_tokens:
@@ -234,7 +285,10 @@ def base_identity(base: Any) -> dict[str, Any]:
 
 def planted_identity(spec: PlantedSpec, base: Any) -> dict[str, Any]:
     """What a planted folder depends on: the spec, the base, and a world tokenizer's own identity."""
-    ident = {"planted": asdict(spec), "base": base_identity(base), "version": PLANTED_VERSION}
+    planted = asdict(spec)
+    if spec.weak_correct == 1.0:  # solver demonstrations only: the key of every warm start before the option
+        del planted["weak_correct"]
+    ident = {"planted": planted, "base": base_identity(base), "version": PLANTED_VERSION}
     if base.tokenizer == "world":  # the world's text and the tokenizer's rules are inputs of the weights
         ident["world_tokenizer"] = world_tokenizer_identity(spec.family, base.chat_format, int(base.arch["vocab_size"]))
     return ident
@@ -335,7 +389,8 @@ def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
     model, tokenizer = world_base(base, spec.family, cache_dir) if world else load_backbone(base, device, "float32", cache_dir)
     rows, demos, record = demonstrations(spec, tokenizer)
     log.info("planted warm start: %d rows from %d demonstrations (%s)", len(rows), len(demos),
-             ", ".join(f"{c}: {r['succeeded']}" for c, r in record.items()))
+             ", ".join(f"{c}: {r['succeeded']}" + (f" + {r['flawed']} flawed" if r["flawed"] else "")
+                       for c, r in record.items()))
     s = spec.sft
     settings = SFTSettings(lr=s.lr, epochs=s.epochs, batch_size=s.batch_size, microbatch_tokens=s.microbatch_tokens,
                            dtype="float32", seed=spec.seed, lora=LoraSettings(rank=s.rank, alpha=s.alpha),

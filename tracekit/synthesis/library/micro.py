@@ -138,7 +138,8 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
             calls.append({"name": "write", "arguments": {"id": t, "value": new_values[t]}})
     expected = [[f"{refs[t]} {REFUSAL}"] for t in locked]
     return _instance(seed, goal, items, calls, expected,
-                     {"kinds": sorted(needs.caps), "targets": targets, "locked": locked})
+                     {"kinds": sorted(needs.caps), "targets": targets, "locked": locked,
+                      "values": [new_values[t] for t in targets], "by_name": by_name})
 
 
 def _instance(seed: int, goal: str, items: dict[str, Any], calls: list[dict[str, Any]],
@@ -169,6 +170,26 @@ class MicroEnv(SyntheticEnv):
 
     def new_world(self, instance: Instance) -> World:
         return MicroWorld(instance.state)
+
+    def flawed_solution(self, instance: Instance) -> tuple[list[dict[str, Any]], list[str]]:
+        """The calls and the outputs said (none) of an agent that lacks this environment's capability (a planted warm
+        start's flawed demonstrations, ``backbone.planted.weak_correct``): ``refuse_locked`` writes a locked item
+        like any other and says nothing of it; ``finish_all_writes`` does the first write only. The verifier
+        rejects both. Other capabilities have no flawed form (a ValueError)."""
+        p = instance.params
+        if self.capability not in (REFUSE, FINISH) or not p.get("targets"):
+            raise ValueError(f"{self.name}: no flawed demonstration for capability {self.capability!r} (only "
+                             f"{REFUSE} and {FINISH} have one)")
+        targets = p["targets"][:1] if self.capability == FINISH else p["targets"]
+        items = instance.state["items"]
+        calls: list[dict[str, Any]] = []
+        for t, value in zip(targets, p["values"]):
+            if p["by_name"]:
+                calls.append({"name": "find", "arguments": {"name": items[t]["name"]}})
+            calls.append({"name": "read", "arguments": {"id": t}})
+            if self.capability == REFUSE or t not in p["locked"]:
+                calls.append({"name": "write", "arguments": {"id": t, "value": value}})
+        return calls, []
 
     def verify(self, instance: Instance, final_state: dict[str, Any], messages: list[Message]) -> tuple[float, bool]:
         ok = db_match(self, instance, final_state) and communicated(messages, instance.expected_outputs)
