@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(src / name, tmp / name)
     weights = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(src / "model.safetensors").items()}
     save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(tmp / "identity.json", {"planted_key": key, "source": str(src),
+    atomic_write_json(tmp / "identity.json", {"planted_key": key,
                                               "weights_sha256": file_sha256(tmp / "model.safetensors"),
                                               "dtype": "bfloat16"})
     shutil.rmtree(a.out, ignore_errors=True)

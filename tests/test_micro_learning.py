@@ -9,12 +9,17 @@ are fixed, so on one machine kind the numbers are the same every run; the margin
 float rounding. A change that breaks the GRPO loss, the advantage, the rollout engine, the token rows or the
 adapter's use at evaluation fails it.
 
-``test_the_micro_ladder_composes`` (slow): the whole ladder with one training seed, fresh, TRACE > Base.
+``test_the_micro_ladder_beats_base`` (slow, ~15 minutes on 2 cores): the whole ladder (``python -m tracekit
+experiment=micro``) with one training seed on a fresh cache, warm start included; TRACE's overall success on the
+270 held-out tasks must exceed Base's, with the paired 95% CI above 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +38,8 @@ from tracekit.synthesis.library_target import LibraryTargetSuite
 FIXTURE = Path(__file__).parent / "assets" / "micro_warmstart"
 WEAK_ENV = "micro_finish_all_writes"
 HELD_OUT = 64  # held-out instances (seeds from 10,000,000)
-MARGIN = 0.10  # success GRPO must add on them
-ITERATIONS = 16
+MARGIN = 0.5  # success GRPO must add on them (measured: 0.00 -> 1.00 on this machine kind)
+ITERATIONS = 8
 
 
 def _fixture() -> Path:
@@ -88,4 +93,21 @@ def test_grpo_on_a_micro_environment_raises_held_out_success(tmp_path):
     finally:
         train.close()
     after = _success(PeftModel.from_pretrained(_model(), str(adapter)).eval(), tokenizer, tmp_path / "after")
+    print(f"GRPO on {WEAK_ENV}, {ITERATIONS} iterations: held-out greedy success {before:.3f} -> {after:.3f}")
     assert after >= before + MARGIN, f"GRPO did not learn {WEAK_ENV}: held-out success {before:.2f} -> {after:.2f}"
+
+
+@pytest.mark.slow
+def test_the_micro_ladder_beats_base(tmp_path):
+    env = {**os.environ, "TRACEKIT_ROOT": str(tmp_path), "TRACEKIT_CACHE": str(tmp_path / "cache"),
+           "WANDB_MODE": "offline", "PYTHONHASHSEED": "0"}
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "tracekit", "experiment=micro", f"paths.run_dir={run}"],
+                          cwd=Path(__file__).parents[1], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    rows = {r["method"]: r for r in results.values()}
+    base, trace = rows["base"]["overall"]["pass_rate"], rows["trace"]["overall"]["pass_rate"]
+    pair = rows["trace"]["paired_vs_base"]
+    assert trace > base and pair["ci"][0] > 0, f"TRACE {trace:.3f} vs Base {base:.3f}, paired CI {pair['ci']}"

@@ -21,6 +21,7 @@ row, each seed's overall pass rate and paired difference against Base, their mea
 - ``planted.json``: the warm start's record (planted set, demonstrations, seed).
 
     python -m tracekit.planted.gain --out benchmarks/results/planted experiment=planted
+    python -m tracekit.planted.gain --out benchmarks/results/micro/final --training-seeds 0 1 2 -- experiment=micro
 """
 
 from __future__ import annotations
