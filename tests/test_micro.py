@@ -188,7 +188,8 @@ def test_a_flawed_solution_is_the_capability_missing_and_fails_the_verifier(cap)
         world = env.new_world(inst)
         for c in calls:
             world.call(c["name"], c["arguments"])
-        messages = [Message(role="assistant", tool_calls=[ToolCall(id=f"c{i}", name=c["name"], arguments=c["arguments"])])
+        messages = [Message(role="assistant",
+                            tool_calls=[ToolCall(id=f"c{i}", name=c["name"], arguments=c["arguments"])])
                     for i, c in enumerate(calls)] + [Message(role="assistant", content=" ".join(said) or "Done.")]
         assert env.verify(inst, world.snapshot(), messages) == (0.0, False)
         writes = [c for c in calls if c["name"] == "write"]
@@ -210,7 +211,7 @@ def test_flawed_demonstrations_plant_a_coin_and_are_refused_where_no_flaw_exists
     _, _, record = demonstrations(spec, world_tokenizer("micro", "qwen3", 2048))
     assert record["finish_all_writes"]["succeeded"] == 3 and record["finish_all_writes"]["flawed"] == 7
     assert record["write_by_id"]["flawed"] == 0
-    with pytest.raises(ValueError, match=r"weak_correct: fractions must be in \[0, 1\], got \{'finish_all_writes': 1.5\}"):
+    with pytest.raises(ValueError, match=r"fractions must be in \[0, 1\], got \{'finish_all_writes': 1.5\}"):
         PlantedSpec(family="micro", strong=["write_by_id"], weak=["finish_all_writes"], weak_correct=1.5)
     with pytest.raises(ValueError, match="no flawed demonstration for capability 'lookup_by_name'"):
         PlantedSpec(family="micro", strong=["write_by_id"], weak=["lookup_by_name"], weak_correct=0.5)

@@ -11,9 +11,9 @@ row, each seed's overall pass rate and paired difference against Base, their mea
 - ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
   95% half-width (evaluate.py's interval: seeds are the replicates), the pooled Wilson 95% interval over every
   (task, seed) episode, per-environment means, the training budget, and whether TRACE's and Base's intervals
-  overlap; beside them each row's paired comparison with Base, and with TRACE, on the same episodes (``paired_vs_base``: the
-  difference in points, its task-cluster bootstrap 95% CI, fixed / broken episodes, exact McNemar p; see
-  :mod:`tracekit.paired`) and the measured power (the half-width the TRACE - Base differences achieve, and the
+  overlap; beside them each row's paired comparison with Base, and with TRACE, on the same episodes
+  (``paired_vs_base`` / ``paired_vs_trace``: the difference in points, its task-cluster bootstrap 95% CI,
+  fixed / broken episodes, exact McNemar p; see :mod:`tracekit.paired`) and the measured power (the half-width the TRACE - Base differences achieve, and the
   episodes needed for +-5 points);
 - ``planted_curves.png`` / ``.csv``: reward and informative-group rate per GRPO iteration, per capability and
   variant;
@@ -21,7 +21,8 @@ row, each seed's overall pass rate and paired difference against Base, their mea
 - ``planted.json``: the warm start's record (planted set, demonstrations, seed).
 
     python -m tracekit.planted.gain --out benchmarks/results/planted experiment=planted
-    python -m tracekit.planted.gain --out benchmarks/results/micro/final --training-seeds 0 1 2 -- experiment=micro
+    python -m tracekit.planted.gain --out benchmarks/results/micro/final --training-seeds 0 1 2 \\
+        -- experiment=micro
 """
 
 from __future__ import annotations
