@@ -13,8 +13,8 @@ row, each seed's overall pass rate and paired difference against Base, their mea
   (task, seed) episode, per-environment means, the training budget, and whether TRACE's and Base's intervals
   overlap; beside them each row's paired comparison with Base, and with TRACE, on the same episodes
   (``paired_vs_base`` / ``paired_vs_trace``: the difference in points, its task-cluster bootstrap 95% CI,
-  fixed / broken episodes, exact McNemar p; see :mod:`tracekit.paired`) and the measured power (the half-width the TRACE - Base differences achieve, and the
-  episodes needed for +-5 points);
+  fixed / broken episodes, exact McNemar p; see :mod:`tracekit.paired`) and the measured power (the half-width
+  the TRACE - Base differences achieve, and the episodes needed for +-5 points);
 - ``planted_curves.png`` / ``.csv``: reward and informative-group rate per GRPO iteration, per capability and
   variant;
 - ``planted_gate.md``: the compose report (CE on held-out gate examples before/after, routing usage);
