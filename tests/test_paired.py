@@ -225,7 +225,11 @@ def test_gain_report_pairs_every_row_with_trace_and_tabulates_training_seeds(mak
                    "TRACE": {**summarize(runs(trace)), "method": "trace"}}
         j, _ = write_results(tmp_path / f"s{seed}", results)
         variants[f"preset seed={seed}"] = gain_variant(make_cfg, tmp_path, json.loads(j.read_text()))
-    table = report(variants, tmp_path / "out", {"preset seed=0": 0, "preset seed=1": 1})
+    # while the search runs, the seeds not yet measured are left out (one measured seed: no seed table yet)
+    partial = report({"preset seed=0": variants["preset seed=0"]}, tmp_path / "partial",
+                     {"preset seed=0": 0, "preset seed=1": 1, "preset seed=2": 2})
+    assert "training_seeds" not in partial
+    table = report(variants, tmp_path / "out", {"preset seed=0": 0, "preset seed=1": 1, "preset seed=2": 2})
 
     vs_trace = table["preset seed=0"]["rows"]["Base"]["paired_vs_trace"]
     assert vs_trace["diff"] == pytest.approx(-3 / 8) and (vs_trace["fixed"], vs_trace["broken"]) == (0, 3)

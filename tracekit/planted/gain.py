@@ -290,8 +290,9 @@ def report(variants: dict[str, dict[str, Any]], out: Path,
                    f"{paired_said[v['paired_excludes_zero']]}."]
             md += power_md(v["power"])
         md.append("")
-    if training_seeds and len(training_seeds) > 1:
-        table_seeds = seed_rows(table, training_seeds)
+    done = {name: seed for name, seed in (training_seeds or {}).items() if name in table}  # a search in progress
+    if len(done) > 1:
+        table_seeds = seed_rows(table, done)
         md += seed_md(table_seeds)
         table = {**table, "training_seeds": table_seeds}
     atomic_write_text(out / "planted_gain.md", "\n".join(md) + "\n")
