@@ -278,6 +278,26 @@ def test_pinned_dictionary_yaml_and_json(tmp_path):
         load_dictionary(tmp_path / "missing.yaml")
 
 
+def test_the_official_candidate_file_pins_as_it_is(tmp_path):
+    # the shape of ScalingIntelligence/TRACE pipeline/candidate_capabilities.json (entries written here)
+    official = {"candidates": [
+        {"name": "policy_constraint_enforcement", "description": "Refuse what the policy forbids.",
+         "example_trajectories": [{"task_id": "airline:6", "reward": 1.0, "note": "refuses under pressure"}]},
+        {"name": "multi_step_transaction_completion", "description": "Complete every dependent step.",
+         "example_trajectories": []}]}
+    path = tmp_path / "candidate_capabilities.json"
+    path.write_text(json.dumps(official))
+    caps = discover(TRAJS, None, DiscoveryConfig(pinned=str(path)), tmp_path / "out")
+    assert [(c.name, c.description) for c in caps] == [
+        ("policy_constraint_enforcement", "Refuse what the policy forbids."),
+        ("multi_step_transaction_completion", "Complete every dependent step.")]
+    official["candidates"][1]["name"] = "policy_constraint_enforcement"
+    path.write_text(json.dumps(official))
+    with pytest.raises(ValueError, match=r"candidate_capabilities.json: invalid capability dictionary: duplicate "
+                                         r"capability names: \['policy_constraint_enforcement'\]"):
+        load_dictionary(path)
+
+
 # ---------------------------------------------------------------- end to end
 
 

@@ -114,7 +114,9 @@ def validate_dictionary(obj: Any, min_n: int = 1, max_n: int | None = None) -> l
 
 
 def load_dictionary(path: str | Path) -> list[Capability]:
-    """A pinned dictionary from a JSON or YAML file (``capabilities:`` list, or a bare list)."""
+    """A pinned dictionary from a JSON or YAML file (``capabilities:`` list, or a bare list), or the official TRACE
+    code's ``pipeline/candidate_capabilities.json`` as it is (``candidates:`` entries of name, description and
+    example trajectories; the examples are not part of a dictionary and are dropped)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"pinned capability dictionary not found: {path}")
@@ -123,6 +125,8 @@ def load_dictionary(path: str | Path) -> list[Capability]:
         obj = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"{path}: cannot parse capability dictionary: {short_error(e, 200)}") from None
+    if isinstance(obj, dict) and "candidates" in obj and "capabilities" not in obj:
+        obj = {"capabilities": obj["candidates"]}  # the official code's candidate file (issue 39)
     try:
         return validate_dictionary(obj)
     except ValueError as e:
