@@ -141,6 +141,14 @@ def test_a_consolidation_sweep_over_the_cached_upstream_gives_one_table(smoke_ru
     assert sorted(labels["trace"]) == sorted(STRATEGIES[s].label for s in ("moe", "merge_linear"))
     assert all(set(r["budget"]) == {"episodes", "generated_tokens", "optimizer_steps"} for r in rows.values())
     assert (sweep_dir / "results.md").is_file()
+    # every row paired against Base and against TRACE on the same episodes
+    paired = json.loads((sweep_dir / "paired.json").read_text())
+    merge = STRATEGIES["merge_linear"].label
+    assert set(paired["vs_base"]) == set(rows) - {"Base"} and set(paired["vs_trace"]) == set(rows) - {"TRACE"}
+    assert paired["vs_trace"][merge]["n_episodes"] == rows["TRACE"]["overall"]["total"]
+    assert paired["vs_trace"]["Base"]["diff"] == pytest.approx(-paired["vs_base"]["TRACE"]["diff"])
+    md = (sweep_dir / "results.md").read_text()
+    assert "Paired vs Base (" in md and "Paired vs TRACE (" in md and f"- {merge}: " in md
     assert len(list((cache / "train").glob("*/COMPLETE.json"))) == 1  # the upstream: the smoke run's, read
     assert len(list((cache / "compose").glob("*/COMPLETE.json"))) == 2
 

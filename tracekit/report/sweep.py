@@ -2,8 +2,9 @@
 
 Each job writes its evaluation (``results.json``) into its own run dir; when the multirun ends, the rows of
 every job are gathered into one table: rows shared by all jobs (Base, best Single: the same cached upstream)
-once, then each job's own rows (one per strategy), with the budgets beside the pass rates. Written to
-``<sweep dir>/results.md`` and ``results.json``, printed, and logged to W&B as one table.
+once, then each job's own rows (one per strategy), with the budgets beside the pass rates, and under it each
+row's paired difference against Base and against TRACE (the ``moe`` strategy's row) on the same episodes. Written
+to ``<sweep dir>/results.md`` and ``results.json``, printed, and logged to W&B as one table.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
+from tracekit.paired import INTERVAL as PAIRED_INTERVAL
+from tracekit.paired import base_label, paired_line, summary_of_outcomes
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,27 @@ def gather_rows(job_dirs: list[Path]) -> tuple[dict[str, Any], list[str]]:
     return rows, notes
 
 
+def paired_against(rows: dict[str, Any], reference: str | None) -> dict[str, Any]:
+    """Every other row's paired summary against the row ``reference`` (rows without outcomes are left out)."""
+    if reference is None or "outcomes" not in rows[reference]:
+        return {}
+    return {label: summary_of_outcomes(rows[reference]["outcomes"], r["outcomes"])
+            for label, r in rows.items() if label != reference and "outcomes" in r}
+
+
+def paired_lines(rows: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The paired lines against Base and against TRACE, and the summaries (``{"vs_base": .., "vs_trace": ..}``)."""
+    trace = next((label for label, r in rows.items() if r.get("method") == "trace" and label == "TRACE"), None)
+    out, text = {}, ""
+    for key, ref in (("vs_base", base_label(rows)), ("vs_trace", trace)):
+        summaries = paired_against(rows, ref)
+        if summaries:
+            out[key] = summaries
+            text += f"\nPaired vs {ref} ({PAIRED_INTERVAL}):\n" + "\n".join(
+                paired_line(label, s) for label, s in summaries.items()) + "\n"
+    return text, out
+
+
 def _rates(result: dict[str, Any]) -> Any:
     return result["overall"]["solved"], result["overall"]["total"]
 
@@ -50,8 +74,11 @@ class SideBySideTable(Callback):
         if not rows:
             log.error("multirun: no job wrote results (%s)", sweep_dir)
             return
-        table = markdown_table(rows) + "".join(f"\n- {n}" for n in notes)
+        paired_text, paired = paired_lines(rows)
+        table = markdown_table(rows) + "".join(f"\n- {n}" for n in notes) + paired_text
         atomic_write_json(sweep_dir / RESULTS, rows, sort_keys=False)
+        if paired:
+            atomic_write_json(sweep_dir / "paired.json", paired, sort_keys=False)
         atomic_write_text(sweep_dir / "results.md", table + "\n")
         print(f"\n{config.name}: {len(jobs)} jobs ({sweep_dir})\n{table}\n", flush=True)
         if config.logger.kind == "wandb":
