@@ -4,8 +4,9 @@ target tasks, with 95% intervals, the per-capability GRPO learning curves and th
 Each variant (``--variant "grpo.lr=5e-5 grpo.iterations=20"``; none: the preset as it is) is one run of the app
 (``python -m tracekit experiment=planted <overrides> <variant>``, every stage cached and shared: variants that
 differ only in GRPO settings share the warm start, the base rollout and the analysis). ``--training-seeds 0 1 2``
-runs each variant once per training seed, the whole pipeline re-seeded (``seed=s backbone.planted.seed=s``: the
-warm start's demonstrations and initialization, the labeling noise, GRPO, the gate), and adds the seed table: per
+runs each variant once per training seed (``seed=s backbone.planted.seed=s``: the warm start's demonstrations and
+SFT order, the labeling noise, GRPO, the gate; a random-init backbone's initial weights stay ``backbone.seed``'s),
+and adds the seed table: per
 row, each seed's overall pass rate and paired difference against Base, their mean and spread. Written to ``--out``:
 
 - ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
@@ -119,7 +120,10 @@ def seed_rows(table: dict[str, Any], seeds: dict[str, int]) -> dict[str, dict[st
 
 def seed_md(rows: dict[str, dict[str, Any]]) -> list[str]:
     seeds = sorted({s for r in rows.values() for s in r["per_seed"]})
-    md = ["## Training seeds (the whole pipeline re-seeded)", "",
+    md = ["## Training seeds", "",
+          "Each seed re-runs the pipeline with `seed=s backbone.planted.seed=s`: the warm start's demonstrations and "
+          "SFT order, the labeling noise, GRPO and the gate (a `random`-source backbone's initial weights come from "
+          "`backbone.seed`, not re-seeded here).", "",
           "| row | " + " | ".join(f"seed {s}: overall / vs Base [paired 95% CI]" for s in seeds)
           + " | overall mean (sd, range) | vs Base mean (sd, range) |",
           "|---|" + "---|" * len(seeds) + "---|---|"]
