@@ -74,7 +74,7 @@ def rung_a(run_dir: Path, out: Path, n: int = 200, device: str = "cpu") -> dict[
                 suite.close()
             trajs[arm] = read_trajectories(out / cap / arm)
         s = paired_summary(trajs["base"], trajs["adapter"])
-        result[cap] = {"env": env, "adapter": str(art.path), **s}
+        result[cap] = {"env": env, "adapter": f"{art.stage}/{art.key}", **s}  # its cache key, not this machine's path
         log.info("rung a %s: base %.3f -> adapter %.3f, %+.1f points [%+.1f, %+.1f], fixed %d / broken %d",
                  cap, s["mean_a"], s["mean_b"], 100 * s["diff"], 100 * s["ci"][0], 100 * s["ci"][1], s["fixed"],
                  s["broken"])
