@@ -48,7 +48,7 @@ fi
 SNAP=/root/tk
 if [ ! -d "$SNAP" ] || [ "${SYNC:-0}" = 1 ]; then
   rm -rf "$SNAP" && mkdir -p "$SNAP"
-  tar cf - --exclude=./.carry --exclude=./outputs --exclude=./.git . | (cd "$SNAP" && tar xf -)
+  tar cf - --exclude=./.carry --exclude=./.dcarry --exclude=./.carry_vllm --exclude=./.vllm_wheels --exclude=./outputs --exclude=./.git . | (cd "$SNAP" && tar xf -)
 fi
 cd "$SNAP"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TRACEKIT_ROOT=$PWD TRACEKIT_CACHE=/root/tk-cache \

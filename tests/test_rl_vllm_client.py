@@ -22,7 +22,7 @@ from tracekit.llm.base import ChatRequest, EndpointError
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.rl.model import build_peft_model
-from tracekit.rl.vllm_client import VLLMEngine, VLLMServer, VLLMSettings, parse_vllm_choice
+from tracekit.rl.vllm_client import SUPPORTED_VLLM, VLLMEngine, VLLMServer, VLLMSettings, parse_vllm_choice
 from tracekit.types import Message
 
 STANDIN = str(Path(__file__).with_name("vllm_standin.py"))
@@ -121,7 +121,9 @@ class _Forgetful(BaseHTTPRequestHandler):
     echo_wrong_prompt = False
 
     def do_GET(self):  # noqa: N802
-        self._send(200, {})
+        if self.path == "/version":
+            return self._send(200, {"version": SUPPORTED_VLLM})
+        self._send(200, {"data": [{"id": "base-model", "parent": None}]} if self.path == "/v1/models" else {})
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -192,3 +194,43 @@ def test_server_command_template_and_missing_binary(tmp_path):
     assert argv[argv.index("--max-lora-rank") + 1] == "16" and "--enable-lora" in argv
     with pytest.raises(EndpointError, match="not found on PATH"):
         VLLMServer(VLLMSettings(model_path="/m", command=("no-such-vllm-binary", "{port}")), tmp_path).start()
+
+
+def _standin(tmp_path, tok, *flags: str) -> VLLMSettings:
+    base = tiny_model(len(tok), seed=0)
+    base.save_pretrained(tmp_path / "base")
+    cmd = (sys.executable, STANDIN, "--model", "{model}", "--host", "{host}", "--port", "{port}", *flags)
+    return VLLMSettings(model_path=str(tmp_path / "base"), command=cmd, concurrency=2, startup_timeout_s=180)
+
+
+def test_a_server_of_another_vllm_version_is_refused_before_any_rollout(tok, tmp_path):
+    with pytest.raises(EndpointError, match=r"is vLLM 0\.25\.1; tracekit's vLLM client supports vLLM 0\.26\.0") as e:
+        VLLMEngine(_standin(tmp_path, tok, "--version", "0.25.1"), tok, tmp_path / "work")
+    assert "\n" not in str(e.value)
+
+
+def test_base_rollouts_then_a_server_without_lora_is_one_line(tok, tmp_path):
+    settings = _standin(tmp_path, tok, "--no-lora")
+    eng = VLLMEngine(settings, tok, tmp_path / "work")
+    try:
+        with pytest.raises(EndpointError, match="before sync"):
+            _chat(eng, k=1)
+        eng.use_base()  # the served base model, no adapter: the trainer's base log-probs on the returned ids
+        base = tiny_model(len(tok), seed=0).eval()
+        for r in _chat(eng, k=2):
+            assert torch.allclose(_trainer_logprobs(base, r), torch.tensor(r.completion_logprobs), atol=1e-4)
+        model = _policy(tok)
+        with pytest.raises(EndpointError, match=r"was started without LoRA support \(start it with --enable-lora\)"):
+            eng.sync(0, lambda p: model.save_pretrained(str(p)))
+    finally:
+        eng.close()
+
+
+def test_a_server_without_runtime_lora_loading_is_one_line(tok, tmp_path):
+    eng = VLLMEngine(_standin(tmp_path, tok, "--no-runtime-lora"), tok, tmp_path / "work")
+    try:
+        model = _policy(tok)
+        with pytest.raises(EndpointError, match="has no runtime LoRA loading .*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+            eng.sync(0, lambda p: model.save_pretrained(str(p)))
+    finally:
+        eng.close()

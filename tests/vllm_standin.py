@@ -4,7 +4,8 @@
 
 ``DIR`` is an HF folder (a tiny model on CPU). Endpoints, shaped like vLLM's:
 
-- ``GET /health``, ``GET /v1/models``;
+- ``GET /health``, ``GET /version`` (``--version``, default the release the client supports), ``GET /v1/models``
+  (the base first, adapters naming it as ``parent``);
 - ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}``: a peft adapter directory, loaded at
   runtime (400 for a name already loaded, like vLLM); ``POST /v1/unload_lora_adapter`` ``{lora_name}``;
 - ``POST /v1/completions`` with ``prompt`` as token ids, ``model`` = a loaded adapter's name (404 with
@@ -18,6 +19,8 @@ safetensors and merged, ``W + alpha/r * B A``, into a copy of the base, as a ser
 would apply it), so the client is tested against an independent implementation, and a start costs
 one transformers import. State lives in the process: a restart forgets every loaded adapter.
 ``--log FILE`` appends one JSON line per request (endpoint and body) for the tests to inspect.
+``--no-lora`` answers an adapter load as vLLM 0.26 started without ``--enable-lora`` does (500, "LoRA is not
+enabled"); ``--no-runtime-lora`` as one without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (the route absent: 404).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def merged(base: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 class Server:
-    def __init__(self, model_dir: str, log_path: str | None):
+    def __init__(self, model_dir: str, log_path: str | None, lora: bool = True):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(1)
@@ -68,6 +71,7 @@ class Server:
         self.adapters: dict[str, torch.nn.Module] = {}
         self.lock = threading.Lock()
         self.log_path = log_path
+        self.lora = lora
 
     def record(self, path: str, body: dict) -> None:
         if self.log_path:
@@ -76,6 +80,8 @@ class Server:
 
     def load(self, body: dict) -> tuple[int, dict | str]:
         name, path = body["lora_name"], body["lora_path"]
+        if not self.lora:  # vLLM's worker raises and the route answers 500 with its message
+            return 500, {"error": {"message": "LoRA is not enabled. Use --enable-lora to enable LoRA.", "type": "InternalServerError", "code": 500}}
         with self.lock:
             if name in self.adapters:
                 return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded.", "type": "InvalidUserInput", "code": 400}}
@@ -136,8 +142,12 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--version", default="0.26.0")
+    ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--no-runtime-lora", action="store_true")
     args, _ = ap.parse_known_args()  # vLLM's other flags are accepted and ignored
-    srv = Server(args.model, args.log)
+    srv = Server(args.model, args.log, lora=not args.no_lora)
+    lora_routes = () if args.no_runtime_lora else ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, out) -> None:
@@ -151,17 +161,21 @@ def main() -> None:
         def do_GET(self):  # noqa: N802
             if self.path == "/health":
                 self._send(200, "")
+            elif self.path == "/version":
+                self._send(200, {"version": args.version})
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": n, "object": "model"} for n in [srv.name, *srv.adapters]]})
+                data = [{"id": srv.name, "object": "model", "root": srv.name, "parent": None}]
+                data += [{"id": n, "object": "model", "root": n, "parent": srv.name} for n in srv.adapters]
+                self._send(200, {"object": "list", "data": data})
             else:
-                self._send(404, {"error": {"message": "not found"}})
+                self._send(404, {"detail": "Not Found"})
 
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             srv.record(self.path, body)
             handler = {"/v1/load_lora_adapter": srv.load, "/v1/unload_lora_adapter": srv.unload, "/v1/completions": srv.complete}.get(self.path)
-            if handler is None:
-                self._send(404, {"error": {"message": f"no route {self.path}"}})
+            if handler is None or (self.path not in lora_routes and self.path != "/v1/completions"):
+                self._send(404, {"detail": "Not Found"})  # FastAPI's answer for a route not registered
                 return
             try:
                 self._send(*handler(body))

@@ -12,6 +12,11 @@ sampled them with. A server that echoes ``prompt_token_ids`` is checked against 
 sampler numerics (the server's kernels against the trainer's) are what ``grpo.old_logprobs=recompute``
 with ``grpo.tis_cap`` (truncated importance sampling) corrects.
 
+The server must be the vLLM release this client was written and checked against (``SUPPORTED_VLLM``, read from
+``GET /version`` before any rollout; ``vllm_version`` names another at the user's risk), and it must serve LoRA
+adapters at runtime (``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): either missing is one
+line, not a failed rollout.
+
 Server lifecycle (:class:`VLLMServer`):
 
 - launched by the engine (``command``: an argv template, ``vllm serve`` by default), or an already
@@ -48,6 +53,11 @@ from tracekit.rl.engines import PolicyChat
 
 log = logging.getLogger(__name__)
 
+# The vLLM release the client's request fields and answers were checked against (issue 41: the real server on an
+# H200). The completions fields it relies on (return_tokens_as_token_ids, return_token_ids, prompt token ids) and the
+# runtime LoRA routes changed shape across releases, so another version is refused unless named in vllm_version.
+SUPPORTED_VLLM = "0.26.0"
+
 VLLM_COMMAND = (
     "vllm", "serve", "{model}", "--host", "{host}", "--port", "{port}", "--enable-lora", "--max-lora-rank", "{max_lora_rank}",
     "--max-loras", "2", "--dtype", "{dtype}", "--gpu-memory-utilization", "{gpu_memory_utilization}", "--max-model-len", "{max_model_len}",
@@ -76,6 +86,7 @@ class VLLMSettings:
     max_retries: int = 2  # per request: after a restart / re-load of the adapter
     verify_prompt_ids: bool = True  # compare a server's echoed prompt_token_ids with the ids sent
     env: dict[str, str] = field(default_factory=dict)  # extra environment of a launched server
+    vllm_version: str = SUPPORTED_VLLM  # the server's GET /version must equal it
 
 
 class VLLMServer:
@@ -119,7 +130,25 @@ class VLLMServer:
         self.url = f"http://{self.s.host}:{port}"
         self.starts += 1
         self.wait_healthy()
+        self.check_version()
         return self.url
+
+    def check_version(self) -> str:
+        """The server's vLLM version (``GET /version``), refused in one line unless it is ``vllm_version``."""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.url}/version", timeout=30)
+        except httpx.HTTPError as e:
+            raise EndpointError(f"inference server at {self.url} did not answer GET /version: {type(e).__name__}: {e}") from e
+        got = r.json().get("version") if r.status_code == 200 else None
+        if got is None:
+            raise EndpointError(f"inference server at {self.url} reports no version (GET /version: {r.status_code}): "
+                                f"tracekit's vLLM client supports vLLM {self.s.vllm_version}")
+        if got != self.s.vllm_version:
+            raise EndpointError(f"inference server at {self.url} is vLLM {got}; tracekit's vLLM client supports vLLM "
+                                f"{self.s.vllm_version} (grpo.vllm.vllm_version names another at your risk)")
+        return got
 
     def wait_healthy(self) -> None:
         """Until ``GET /health`` answers 200 (a managed server: vLLM opens its port once the model is
@@ -181,7 +210,11 @@ class VLLMEngine:
         self._lock = threading.Lock()  # one recovery at a time (requests run in a thread pool)
         self._recoveries = 0
         self.base_url = self.server.start()
+        if not self.server.managed:  # a managed server was checked as it started
+            self.server.check_version()
         self.http = httpx.Client(timeout=settings.request_timeout_s)
+        self.base_model = self._served_base()
+        self.serve_base = False  # True: requests go to the base model until the first sync (see use_base)
         self.client = PolicyChat(
             tokenizer,
             self._generate,
@@ -199,10 +232,32 @@ class VLLMEngine:
     def _post(self, path: str, body: dict) -> Any:
         return self.http.post(f"{self.server.url}{path}", json=body)
 
+    def _served_base(self) -> str:
+        """The served base model's name: the first of ``GET /v1/models`` that is no adapter (vLLM lists the base
+        first, with adapters after it naming it as their parent)."""
+        r = self.http.get(f"{self.server.url}/v1/models")
+        if r.status_code != 200:
+            raise EndpointError(f"inference server at {self.server.url}: GET /v1/models answered {r.status_code}: {r.text[:200]}")
+        models = [m for m in r.json().get("data", []) if not m.get("parent")]
+        if not models:
+            raise EndpointError(f"inference server at {self.server.url} serves no base model (GET /v1/models)")
+        return str(models[0]["id"])
+
+    def use_base(self) -> None:
+        """Roll out with the served base model, no adapter, until the next :meth:`sync` (e.g. to measure or check
+        the base policy through the server)."""
+        self.serve_base = True
+
     def _load(self, name: str, path: Path) -> None:
         r = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
-        if r.status_code != 200:
-            raise EndpointError(f"load_lora_adapter {name} failed ({r.status_code}): {r.text[:300]}")
+        if r.status_code == 200:
+            return
+        no_route = r.status_code == 404 and "lora" not in r.text.lower()
+        if no_route or "LoRA is not enabled" in r.text:
+            what = ("has no runtime LoRA loading (POST /v1/load_lora_adapter: 404; set VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+                    if no_route else "was started without LoRA support (start it with --enable-lora)")
+            raise EndpointError(f"inference server at {self.server.url} {what}: cannot load adapter {name}")
+        raise EndpointError(f"load_lora_adapter {name} failed ({r.status_code}): {r.text[:300]}")
 
     def sync(self, iteration: int, save_adapter: Callable[[Path], None]) -> None:
         """Save the current adapter and load it under a fresh name (starting or restarting the server
@@ -223,6 +278,7 @@ class VLLMEngine:
             if self._lora_path is not None and self._lora_path != path:
                 shutil.rmtree(self._lora_path, ignore_errors=True)
         self.lora_name, self._lora_path = name, path
+        self.serve_base = False
 
     def _restart(self, why: str) -> None:
         log.info("restarting the inference server (%s)", why)
@@ -264,7 +320,7 @@ class VLLMEngine:
         import httpx
 
         body = {
-            "model": self.lora_name, "prompt": prompt, "max_tokens": max_new, "temperature": temperature, "top_p": top_p,
+            "model": self.base_model if self.serve_base else self.lora_name, "prompt": prompt, "max_tokens": max_new, "temperature": temperature, "top_p": top_p,
             "seed": seed % (2**31), "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
             "skip_special_tokens": False, "stop_token_ids": self.client.stop_ids, "include_stop_str_in_output": True,
         }  # fmt: skip
@@ -288,8 +344,8 @@ class VLLMEngine:
         raise AssertionError("unreachable")
 
     def _generate(self, prompts: list[list[int]], temperature: float, top_p: float, max_new: int, seed: int) -> list[Completion]:
-        if self.lora_name is None:
-            raise EndpointError("vllm engine used before sync(): no adapter loaded")
+        if self.lora_name is None and not self.serve_base:
+            raise EndpointError("vllm engine used before sync(): no adapter loaded (use_base() rolls out the base model)")
         from concurrent.futures import ThreadPoolExecutor
 
         if not self.server.running:  # stopped for the update and not synced since: bring it back with the adapter
