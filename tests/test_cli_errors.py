@@ -542,7 +542,7 @@ def test_valid_sweep_points_pass_the_check(tmp_path):
             "config", overrides=["sweep=consolidation", "experiment=smoke", "logger=none", "moe.steps=2,3",
                                  f"paths.root_dir={tmp_path}"], run_mode=RunMode.MULTIRUN)
         points = sweep_points(master)
-        assert len(points) == 18 and points[0][0] == "consolidation=moe moe.steps=2"
+        assert len(points) == 20 and points[0][0] == "consolidation=moe moe.steps=2"  # 10 strategies x 2
         assert sweep_problems(master) == []
     GlobalHydra.instance().clear()
 

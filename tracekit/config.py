@@ -1,5 +1,6 @@
 """Structured configs (types for every Hydra group), :class:`ConfigError` and the helpers that read a config
-without the registries: the pinned dictionary, the evaluation target's config, an interpolation's message.
+without the registries: the pinned dictionary, the imported labeling runs, the evaluation target's config, an
+interpolation's message.
 
 Hydra composes ``conf/config.yaml`` over the ``Config`` schema registered here, so a typo'd key or a
 wrongly typed value fails at composition. The value checks (ranges, choices, cross-field rules, each target's and
@@ -19,6 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
 from tracekit.analysis.discovery import load_dictionary
+from tracekit.analysis.imported import import_runs, run_files
 from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
 from tracekit.envs.pool import REPLY_TIMEOUT_S
@@ -122,8 +124,9 @@ class ThresholdsConfig(Thresholds):
 @dataclass
 class AnalysisConfig:
     discovery: str = "reference"  # reference (fixed tau2 dictionary) | llm | pinned
-    labeler: str = "reference"  # reference | llm
+    labeler: str = "reference"  # reference | llm | imported
     dictionary_path: str | None = None  # for discovery=pinned
+    labels_from: str | None = None  # labeler=imported: a folder of the official TRACE labeling runs (run_NN.json)
     endpoint: str = "analysis"
     temperature: float = 0.7
     capabilities_per_call: int = 10
@@ -150,9 +153,14 @@ class SynthesisConfig:
     calibrate: bool = False
     calibration_seeds: int = 4
     calibration_k: int = 16
-    target_low: float = 0.2
+    target_low: float = 0.2  # the band of mean reward and success rate (calibration's target, acceptance's gate)
     target_high: float = 0.6
     min_informative: float = 0.5
+    acceptance: str = "none"  # none | official: the official TRACE calibration gate on every ready environment
+    acceptance_group_size: int = 16  # official: G, the base policy's samples per validation seed
+    min_reward_std: float = 0.05  # official: the rewards' std at least this
+    max_all_success: float = 0.2  # official: groups in which every sample succeeds at most this share
+    max_all_zero: float = 0.2  # official: groups in which every reward is 0 at most this share
     difficulty: int = 1
     cpu_seconds: int = 30
     wall_seconds: int = 60
@@ -219,6 +227,47 @@ class SftConfig(SFTSettings):
 
 
 @dataclass
+class ArrowConfig:
+    """arrow: training-free routing by each adapter's prototype (peft ArrowConfig; tracekit.moe.arrow)."""
+
+    top_k: int = 3  # adapters kept per token (peft's default; capped at the number of adapters, noted)
+    temperature: float = 1.0  # softmax temperature over the kept scores (peft's router_temperature)
+
+
+@dataclass
+class SoftTargetConfig:
+    """moe with gate_objective=soft_target: KL(target || gate) toward softmax(adapter rewards / temperature)."""
+
+    temperature: float = 0.1  # of the softmax over each environment's measured adapter rewards (in [0, 1])
+    seeds: int = 16  # instances per environment each adapter is measured on (greedy, disjoint from training seeds)
+
+
+@dataclass
+class GateGrpoConfig:
+    """moe with gate_objective=grpo: GRPO on the gates alone (official train/grpo_gater.py's defaults)."""
+
+    warm_start: str = "ce_lb"  # the gates GRPO starts from: ce_lb | soft_target
+    iterations: int = 10
+    groups: int = 4  # (environment, seed) groups per iteration (official --num-tasks)
+    group_size: int = 4  # rollouts per group (official --rollouts-per)
+    lr: float = 1.0e-3
+    clip_eps: float = 0.2
+    temperature: float = 0.9  # token sampling of the rollouts
+    hint_fraction: float = 0.5  # share of each group's rollouts shown the gold actions (never at evaluation)
+    updates: int = 2  # optimizer steps per iteration on its rollouts (the clip matters from the second)
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class GateObjectiveConfig:
+    """The ``moe`` strategy's gate objective (issue 39): ce_lb (the paper's), soft_target or grpo."""
+
+    objective: str = "ce_lb"
+    soft_target: SoftTargetConfig = field(default_factory=SoftTargetConfig)
+    grpo: GateGrpoConfig = field(default_factory=GateGrpoConfig)
+
+
+@dataclass
 class ConsolidationConfig:
     method: str = "moe"  # a name of tracekit.methods.consolidate.STRATEGIES (conf/consolidation/<name>.yaml)
     budget: ConsolidationBudgetConfig = field(default_factory=ConsolidationBudgetConfig)
@@ -226,6 +275,9 @@ class ConsolidationConfig:
     core_tsv: CoreTSVConfig = field(default_factory=CoreTSVConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     distill: DistillSettings = field(default_factory=DistillSettings)  # iterations: from the budget
+    arrow: ArrowConfig = field(default_factory=ArrowConfig)
+    # moe's gate objective: in no key while ce_lb (the default: TRACE's keys as before), else in compose's reads
+    gate: GateObjectiveConfig = field(default_factory=GateObjectiveConfig)
 
 
 @dataclass
@@ -396,6 +448,28 @@ def read_pinned_dictionary(cfg: DictConfig) -> list[Any]:
         raise ConfigError(f"analysis.dictionary_path: {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except ValueError as e:  # its message starts with the path
         raise ConfigError(f"analysis.dictionary_path: {e}") from None
+
+
+def imported_run_files(cfg: DictConfig) -> list[Path]:
+    """The run files of ``analysis.labels_from`` (labeler=imported); ConfigError when it names no folder of them."""
+    value = cfg.analysis.labels_from
+    _check(bool(value), "analysis.labels_from", value,
+           "a folder of the official labeling runs (run_NN.json) when analysis.labeler=imported")
+    try:
+        return run_files(value)
+    except ValueError as e:
+        raise ConfigError(f"analysis.labels_from: {e}") from None
+
+
+def read_imported_labels(cfg: DictConfig) -> list[Any]:
+    """The labels of the ``analysis.labels_from`` runs over the pinned dictionary's candidates, read as the label
+    stage reads them; ConfigError naming the file and its first offending entry."""
+    imported_run_files(cfg)
+    candidates = [c.name for c in read_pinned_dictionary(cfg)]
+    try:
+        return import_runs(cfg.analysis.labels_from, candidates)[0]
+    except ValueError as e:  # its message starts with the file
+        raise ConfigError(f"analysis.labels_from: {e}") from None
 
 
 def eval_benchmark(cfg: DictConfig) -> str | None:

@@ -19,10 +19,10 @@ from tracekit.analysis.compact import CompactConfig
 from tracekit.analysis.discovery import DiscoveryConfig, discover, read_dictionary, write_dictionary
 from tracekit.analysis.labeling import LLMLabeler, LabelingConfig
 from tracekit.analysis.select import Thresholds
-from tracekit.analysis.stages import label, read_labels
+from tracekit.analysis.stages import import_labels, label, read_labels
 from tracekit.analysis.stages import select_stage as run_select
-from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.config import evaluation_config, read_pinned_dictionary
+from tracekit.artifacts import Artifact, atomic_write_json, file_sha256, read_json
+from tracekit.config import evaluation_config, imported_run_files, read_pinned_dictionary
 from tracekit.evaluate import RESULTS, SCORED_ROWS, paired_table, wandb_rows, write_results
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES, compose_inputs, compose_reads, write_consolidated
@@ -32,7 +32,7 @@ from tracekit.rl.launch import Factory
 from tracekit.runs import (adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
                            synthesis_target, train_seeds, trajectories_of)
 from tracekit.synthesis.agent import GenerationAgentConfig
-from tracekit.synthesis.calibrate import CalibrationTargets, make_rollout_fn
+from tracekit.synthesis.calibrate import CalibrationTargets, OfficialAcceptance, make_rollout_fn
 from tracekit.synthesis.sandbox import SandboxLimits
 from tracekit.synthesis.stage import MANIFEST, SynthesisSettings, synthesize
 from tracekit.synthesis.validate import ValidationConfig
@@ -75,7 +75,8 @@ def discover_stage(ctx: StageContext) -> None:
         return
     pinned = str(Path(a.dictionary_path).expanduser().resolve()) if a.discovery == "pinned" else None
     client = None if pinned else client_for(ctx.cfg, a.endpoint)
-    discover(trajectories_of(ctx.inputs["rollout"]), client, DiscoveryConfig(
+    trajectories = [] if pinned else trajectories_of(ctx.inputs["rollout"])  # a pinned file reads no episode
+    discover(trajectories, client, DiscoveryConfig(
         min_capabilities=a.min_capabilities, max_capabilities=a.max_capabilities, max_attempts=a.max_retries + 1,
         max_new_tokens=a.max_new_tokens, seed=ctx.seed, compact=CompactConfig(max_chars=a.compact_chars),
         use_response_format=a.use_response_format, pinned=pinned), ctx.work_dir)
@@ -89,8 +90,19 @@ def pinned_dictionary(cfg: DictConfig) -> list[dict[str, str]] | None:
     return [c.model_dump() for c in read_pinned_dictionary(cfg)]
 
 
+def imported_runs(cfg: DictConfig) -> dict[str, str] | None:
+    """The imported labeling runs' contents ({file: sha256}; a missing folder: ConfigError naming it): editing a
+    run file invalidates `label` and what follows."""
+    if cfg.analysis.labeler != "imported":
+        return None
+    return {p.name: file_sha256(p) for p in imported_run_files(cfg)}
+
+
 def label_stage(ctx: StageContext) -> None:
     a = ctx.cfg.analysis
+    if a.labeler == "imported":  # the official code's labeling runs, as they are
+        import_labels(Path(a.labels_from).expanduser(), read_dictionary(ctx.inputs["discover"].path), ctx.work_dir)
+        return
     trajectories = trajectories_of(ctx.inputs["rollout"])
     if a.labeler == "reference":  # the heuristic labeler of the target the rollout ran on
         labeler: Any = target_of_trajectories(trajectories).reference_labeler(a.label_noise)
@@ -106,8 +118,9 @@ def label_stage(ctx: StageContext) -> None:
 
 def label_report(art: Artifact, ctx: StageContext) -> None:
     rep = read_json(art.path / "labeling_report.json")
+    source = f" from {rep['imported']['source']}" if "imported" in rep else ""
     ctx.record.section("Labeling", f"{rep.get('labels', '?')} labels, {rep.get('missing', '?')} missing "
-                       f"(labeler: {ctx.cfg.analysis.labeler}, runs: {ctx.cfg.thresholds.n}).")
+                       f"(labeler: {ctx.cfg.analysis.labeler}{source}, runs: {ctx.cfg.thresholds.n}).")
 
 
 def select_stage(ctx: StageContext) -> None:
@@ -145,31 +158,50 @@ def synthesize_stage(ctx: StageContext) -> None:
     validation = ValidationConfig(n_seeds=sy.validation_seeds)
     limits = SandboxLimits(cpu_seconds=sy.cpu_seconds, wall_seconds=sy.wall_seconds,
                            memory_bytes=sy.memory_mb << 20)
-    targets = CalibrationTargets(mean_reward=(sy.target_low, sy.target_high),
-                                 success_rate=(sy.target_low, sy.target_high), min_informative=sy.min_informative)
+    band = (sy.target_low, sy.target_high)
+    official = sy.acceptance == "official"
+    acceptance = None
+    if official:
+        acceptance = OfficialAcceptance(group_size=sy.acceptance_group_size, mean_reward=band, success_rate=band,
+                                        min_reward_std=sy.min_reward_std, max_all_success=sy.max_all_success,
+                                        max_all_zero=sy.max_all_zero, min_informative=sy.min_informative)
+    # under the official gate, calibration aims at its constant-group bounds too (a level the gate would refuse is
+    # no calibrated level)
+    targets = CalibrationTargets(mean_reward=band, success_rate=band, min_informative=sy.min_informative,
+                                 max_all_success=sy.max_all_success if official else None,
+                                 max_all_zero=sy.max_all_zero if official else None)
     settings = SynthesisSettings(
         source=sy.source, difficulty=sy.difficulty, validation=validation, limits=limits, targets=targets,
-        calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k,
+        calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k, acceptance=acceptance,
         agent=GenerationAgentConfig(max_repair_rounds=sy.repair_rounds, max_mutation_rounds=sy.mutation_rounds,
                           seed=ctx.seed if sy.source == "generate" else 0,  # the library source draws nothing
                           validation=validation, limits=limits, targets=targets,
                           calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k))
-    rollout_fn = None
-    if sy.calibrate:  # calibrate against the current (base) policy, sampled as GRPO samples
+    rollout_fn = acceptance_fn = None
+    if sy.calibrate or official:  # against the current (base) policy, sampled as GRPO samples
         agent = llm_agent(cfg, temperature=cfg.grpo.temperature)
-        rollout_fn = make_rollout_fn(agent, ctx.work_dir / "calibration_rollouts", max_steps=cfg.grpo.max_steps,
-                                     batch_size=cfg.agent.batch_size, progress=False)
+
+        def sampler(folder: str) -> Any:
+            return make_rollout_fn(agent, ctx.work_dir / folder, max_steps=cfg.grpo.max_steps,
+                                   batch_size=cfg.agent.batch_size, progress=False)
+
+        rollout_fn = sampler("calibration_rollouts") if sy.calibrate else None
+        acceptance_fn = sampler("acceptance_rollouts") if official else None  # its own resumable folder
     trajectories = {t.uid: t for t in trajectories_of(ctx.inputs["rollout"])} if sy.source == "generate" else None
     client = client_for(cfg, sy.endpoint) if sy.source == "generate" else None
-    synthesize(selected, synthesis_target(cfg), ctx.work_dir, settings, trajectories, client, rollout_fn)
+    synthesize(selected, synthesis_target(cfg), ctx.work_dir, settings, trajectories, client, rollout_fn,
+               acceptance_fn)
 
 
 def synthesize_report(art: Artifact, ctx: StageContext) -> None:
     man = read_json(art.path / "environments.json")
     rows = ["| capability | status | environment | difficulty / reason |", "|---|---|---|---|"]
     for e in man["environments"]:
+        gate = (f" (official gate: mean reward {e['acceptance']['mean_reward']:.2f}, success "
+                f"{e['acceptance']['success_rate']:.2f}, informative {e['acceptance']['informative_rate']:.2f})"
+                if e["status"] == "ready" and "acceptance" in e else "")
         rows.append(f"| {e['capability']} | {e['status']} | {e.get('env', e.get('kind', ''))} | "
-                    f"{e.get('difficulty') if e['status'] == 'ready' else e.get('reason', '')} |")
+                    f"{str(e.get('difficulty')) + gate if e['status'] == 'ready' else e.get('reason', '')} |")
     ctx.record.section("Synthetic environments", f"{man['ready']} ready, {man['skipped']} skipped "
                        f"(source: {man['source']}, target: {man['target']}).\n\n" + "\n".join(rows))
 
@@ -283,8 +315,21 @@ def discover_reads(cfg: DictConfig) -> tuple[str, ...]:
     return (*reads, "analysis.endpoint", f"llm.endpoints.{a.endpoint}", "backbone", "agent")
 
 
+def discover_inputs(cfg: DictConfig) -> tuple[str, ...]:
+    # imported labels need no episode: their pinned candidates stand alone (other pinned runs keep the rollout as
+    # an input, so that their keys stay as they were)
+    a = cfg.analysis
+    return () if a.labeler == "imported" and a.discovery == "pinned" else ("rollout",)
+
+
+def label_inputs(cfg: DictConfig) -> tuple[str, ...]:
+    return ("discover",) if cfg.analysis.labeler == "imported" else ("rollout", "discover")
+
+
 def label_reads(cfg: DictConfig) -> tuple[str, ...]:
     a = cfg.analysis
+    if a.labeler == "imported":  # the runs' number is their files' (validate() holds thresholds.n to it)
+        return ("analysis.labeler", "analysis.labels_from")
     if a.labeler == "reference":
         return ("analysis.labeler", "analysis.label_noise", "thresholds.n", "seed")
     return ("analysis.labeler", "analysis.temperature", "analysis.capabilities_per_call", "analysis.on_missing",
@@ -295,7 +340,7 @@ def label_reads(cfg: DictConfig) -> tuple[str, ...]:
 def synthesize_reads(cfg: DictConfig) -> tuple[str, ...]:
     sy = cfg.synthesis
     reads = ["synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs"]
-    if sy.calibrate:  # calibration samples the base agent as GRPO does
+    if sy.calibrate or sy.acceptance == "official":  # calibration and the gate sample the base agent as GRPO does
         reads += ["backbone", "agent", "grpo.temperature", "grpo.max_steps"]
     if sy.source == "generate":
         reads += [f"llm.endpoints.{sy.endpoint}", "backbone", "agent", "seed"]
@@ -317,9 +362,10 @@ def evaluation_benchmark(cfg: DictConfig) -> Any:
 def build_pipeline() -> Pipeline:
     return Pipeline([
         Stage("rollout", reads=rollout_reads, inputs=(), compute=rollout_stage, report=rollout_report),
-        Stage("discover", reads=discover_reads, inputs=("rollout",), compute=discover_stage,
+        Stage("discover", reads=discover_reads, inputs=discover_inputs, compute=discover_stage,
               key_extra=pinned_dictionary),
-        Stage("label", reads=label_reads, inputs=("rollout", "discover"), compute=label_stage, report=label_report),
+        Stage("label", reads=label_reads, inputs=label_inputs, compute=label_stage, report=label_report,
+              key_extra=imported_runs),
         Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
               compute=select_stage, report=select_report, identity_files=("selected_names.json",)),
         Stage("synthesize", reads=synthesize_reads, inputs=("select", "rollout"), compute=synthesize_stage,

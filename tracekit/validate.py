@@ -22,8 +22,8 @@ from omegaconf.errors import InterpolationResolutionError
 from tracekit.analysis.select import Thresholds
 from tracekit.coding.config import CHOICES as CODING_CHOICES
 from tracekit.coding.config import RANGES as CODING_RANGES
-from tracekit.config import (Config, ConfigError, _check, eval_benchmark, evaluation_config, interpolation_message,
-                             read_pinned_dictionary)
+from tracekit.config import (Config, ConfigError, _check, eval_benchmark, evaluation_config, imported_run_files,
+                             interpolation_message, read_imported_labels, read_pinned_dictionary)
 from tracekit.envs.pool import valid_setting as valid_env_workers
 from tracekit.envs.toolsandbox import DOMAINS as TOOLSANDBOX_DOMAINS
 from tracekit.envs.toolsandbox import VARIANTS as TOOLSANDBOX_VARIANTS
@@ -72,6 +72,8 @@ RANGES: dict[str, str] = {
     "synthesis.repair_rounds": ">= 0", "synthesis.mutation_rounds": ">= 0", "synthesis.validation_seeds": ">= 1",
     "synthesis.calibration_seeds": ">= 1", "synthesis.calibration_k": ">= 2", "synthesis.target_low": "[0, 1]",
     "synthesis.target_high": "[0, 1]", "synthesis.min_informative": "[0, 1]", "synthesis.difficulty": ">= 0",
+    "synthesis.acceptance_group_size": ">= 2", "synthesis.min_reward_std": "[0, 1]",
+    "synthesis.max_all_success": "[0, 1]", "synthesis.max_all_zero": "[0, 1]",
     "synthesis.cpu_seconds": ">= 1", "synthesis.wall_seconds": ">= 1", "synthesis.memory_mb": ">= 256",
     **_group_ranges("grpo", GRPOSettings),  # the recipes' own ranges (one check per knob)
     **_group_ranges("moe", GateTrainConfig),
@@ -83,6 +85,13 @@ RANGES: dict[str, str] = {
     "consolidation.budget.episodes": ">= 1", "consolidation.merge.weights": "[-10, 10]",
     "consolidation.merge.density": "(0, 1]", "consolidation.merge.rank": ">= 1", "consolidation.merge.lam": "> 0",
     "consolidation.core_tsv.lam": "> 0", "consolidation.core_tsv.density": "(0, 1]",
+    "consolidation.arrow.top_k": ">= 1", "consolidation.arrow.temperature": "> 0",
+    "consolidation.gate.soft_target.temperature": "> 0", "consolidation.gate.soft_target.seeds": ">= 1",
+    "consolidation.gate.grpo.iterations": ">= 1", "consolidation.gate.grpo.groups": ">= 1",
+    "consolidation.gate.grpo.group_size": ">= 1", "consolidation.gate.grpo.lr": "> 0",
+    "consolidation.gate.grpo.clip_eps": "(0, 1)", "consolidation.gate.grpo.temperature": "[0, 2]",
+    "consolidation.gate.grpo.hint_fraction": "[0, 1]", "consolidation.gate.grpo.updates": ">= 1",
+    "consolidation.gate.grpo.max_grad_norm": ">= 0",
     **_group_ranges("consolidation.sft", SFTSettings), **_group_ranges("consolidation.distill", DistillSettings),
     "baselines.grpo_target.episodes": ">= 1", "baselines.grpo_target.train_limit": ">= 1",
     "baselines.grpo_target.checkpoint_iterations": ">= 1",
@@ -164,9 +173,10 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "user.kind": ("scripted", "llm"),
     "thresholds.undefined_er_pos": ("zero", "unselectable"),
     "analysis.discovery": ("reference", "llm", "pinned"),
-    "analysis.labeler": ("reference", "llm"),
+    "analysis.labeler": ("reference", "llm", "imported"),
     "analysis.on_missing": ("skip", "fail"),
     "synthesis.source": ("library", "generate"),
+    "synthesis.acceptance": ("none", "official"),
     "grpo.old_logprobs": ("rollout", "recompute"),
     "grpo.checkpoint_policy": ("full", "selective"),
     "grpo.rollout_fast": ("auto", "on", "off"),
@@ -180,6 +190,8 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "consolidation.core_tsv.majority_sign": ("total", "frequency"),
     "consolidation.core_tsv.rank_policy": ("full", "truncate"),
     "consolidation.sft.data": ("successes", "all"),
+    "consolidation.gate.objective": ("ce_lb", "soft_target", "grpo"),
+    "consolidation.gate.grpo.warm_start": ("ce_lb", "soft_target"),
     "consolidation.sft.schedule": ("linear", "constant"),
     "consolidation.sft.dtype": ("auto", "float32", "bfloat16"),
     "consolidation.distill.rollout_fast": ("auto", "on", "off"),
@@ -347,8 +359,17 @@ def _validate(cfg: DictConfig) -> None:
     a = cfg.analysis
     _check(a.min_capabilities <= a.max_capabilities, "analysis.min_capabilities", a.min_capabilities,
            f"<= analysis.max_capabilities={a.max_capabilities}")
+    if a.labeler == "imported":  # its folder first: analysis=imported's dictionary_path lies in it
+        runs = imported_run_files(cfg)
+        _check(a.discovery == "pinned", "analysis.discovery", a.discovery,
+               "pinned with analysis.labeler=imported (the runs label a fixed candidate list: their "
+               "candidate_capabilities.json as analysis.dictionary_path; analysis=imported sets both)")
     if a.discovery == "pinned":
         read_pinned_dictionary(cfg)
+    if a.labeler == "imported":
+        read_imported_labels(cfg)
+        _check(t.n == len(runs), "thresholds.n", t.n,
+               f"{len(runs)} with analysis.labeler=imported: the number of run files in {a.labels_from}")
     sy = cfg.synthesis
     _check(sy.target_low <= sy.target_high, "synthesis.target_low", sy.target_low,
            f"<= synthesis.target_high={sy.target_high}")
@@ -359,6 +380,15 @@ def _validate(cfg: DictConfig) -> None:
             schema(**{k: v for k, v in values.items() if k in {f.name for f in fields(schema)}})
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.consolidation.method == "moe" and cfg.consolidation.gate.objective == "grpo":
+        gr = cfg.consolidation.gate.grpo
+        # GRPO learns only from groups whose rewards differ: a group of one never does, whatever else varies
+        _check(gr.group_size >= 2, "consolidation.gate.grpo.group_size", gr.group_size,
+               ">= 2 with consolidation.gate.objective=grpo (a group of one rollout has no reward variance: "
+               "GRPO's advantage is 0)")
+        _check(not cfg.moe.base_slot, "moe.base_slot", True,
+               "false with consolidation.gate.objective=grpo (each trajectory's expert is a capability adapter; the "
+               "base slot has none to roll out)")
     _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
            cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
     if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:

@@ -3,7 +3,8 @@
 Each writes its artifact files atomically into ``out_dir`` (the stage cache's work dir):
 
 - discover: ``dictionary.json``, ``discovery_log.json``  (see :mod:`.discovery`)
-- label:    ``labels.jsonl``, ``labeling_report.json`` (+ ``labels.cache.jsonl``, the resume log)
+- label:    ``labels.jsonl``, ``labeling_report.json`` (+ ``labels.cache.jsonl``, the resume log); or, imported
+            from the official TRACE code's labeling runs (:mod:`.imported`), the same two files
 - select:   ``selected.json`` (selection + full per-run stats table), ``selected_names.json``
             (the selection's identity: sorted names + descriptions, for downstream cache keys),
             ``selection_frequency.png``, ``failure_coverage.png``
@@ -20,12 +21,14 @@ from typing import Any
 
 from tracekit.analysis.discovery import discover, read_dictionary
 from tracekit.analysis.figures import write_figures
-from tracekit.analysis.labeling import Labeler, LabelingResult
+from tracekit.analysis.imported import import_runs
+from tracekit.analysis.labeling import Labeler, LabelingResult, labeling_report
 from tracekit.analysis.select import Thresholds, select, selected_names
 from tracekit.artifacts import atomic_write_json, read_jsonl, write_jsonl
 from tracekit.types import Capability, Label, Trajectory
 
-__all__ = ["discover", "read_dictionary", "label", "read_labels", "select", "write_selection", "select_stage"]
+__all__ = ["discover", "read_dictionary", "label", "import_labels", "read_labels", "select", "write_selection",
+           "select_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,20 @@ def label(
         "labeling (%s): %d labels, %d missing -> %s", labeler.name, len(result.labels), result.report["missing"], out
     )
     return result
+
+
+def import_labels(folder: str | Path, dictionary: list[Capability], out_dir: str | Path) -> LabelingResult:
+    """The labels of the official labeling runs in ``folder`` (``run_NN.json``) over ``dictionary`` (their
+    candidates), written as :func:`label` writes its own; ValueError naming the file on bad input."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels, imported = import_runs(folder, [c.name for c in dictionary])
+    report = {**labeling_report(labels, dictionary), "labeler": "imported", "imported": imported}
+    write_jsonl(out / LABELS_FILE, labels)
+    atomic_write_json(out / "labeling_report.json", report)
+    log.info("labeling (imported): %d labels of %d runs from %s, %d missing", len(labels), len(imported["files"]),
+             imported["source"], report["missing"])
+    return LabelingResult(labels, report)
 
 
 def read_labels(label_dir: str | Path) -> list[Label]:

@@ -11,7 +11,8 @@ step into the next step's logits:
   removed). No per-module LoRA work while decoding: each step is one graph replay. A composed LoRA-MoE
   (:class:`~tracekit.moe.model.LoRAMoEModel`) cannot be merged (each token routes by its block's gate): the
   decoder runs each adapted block's gate on the block input and adds the bank's delta to the fused projections
-  inside the layer step (:class:`_LoRAMoEBlock`), bypassing the model's own gate hooks and no others.
+  inside the layer step (:class:`_LoRAMoEBlock`), bypassing the model's own gate hooks and no others. An Arrow-routed
+  one (no gate) weighs each fused projection's parts by their prototypes on the projection's input.
 
 Pickers sit on top: :func:`generate` samples all rows on the device in one kernel per step
 (``torch.Generator``: same seed on CPU -> same tokens; log-probs of the sampled tokens from the very
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from tracekit.llm.moe_experts import FusedExperts, fused_experts_reason
 from tracekit.llm.prefix_cache import PrefixStore, batch_shared_prefixes
+from tracekit.moe.arrow import arrow_weights
 from tracekit.moe.layer import LoRAMoELinear, adapter_weights, gate_probs
 from tracekit.moe.model import LoRAMoEModel
 from tracekit.ranges import check_value
@@ -336,11 +338,11 @@ class _LoRAMoEBlock:
     addresses across :meth:`refresh` (captured CUDA graphs read them); the spec is read live.
     """
 
-    def __init__(self, gate: torch.nn.Module, routing: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Module]]):
-        self.gate, self.routing = gate, routing
-        self.gate_w = torch.empty_like(gate.weight)
-        self.gate_b = torch.empty_like(gate.bias)
-        self.groups = []  # per fused projection: ([(part, first output column)], A, Bt) or None
+    def __init__(self, gate: torch.nn.Module | None, routing: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Module]]):
+        self.gate, self.routing = gate, routing  # gate None: Arrow routing (each projection by its prototypes)
+        self.gate_w = None if gate is None else torch.empty_like(gate.weight)
+        self.gate_b = None if gate is None else torch.empty_like(gate.bias)
+        self.groups = []  # per fused projection: ([(part, first output column)], A, Bt, Arrow prototypes or None) or None
         C, r = routing.n_adapters, routing.rank
         for mods in groups:
             parts, col = [], 0
@@ -354,26 +356,40 @@ class _LoRAMoEBlock:
             w = parts[0][0].A3
             A = torch.empty((C, len(parts), r, w.shape[2]), dtype=w.dtype, device=w.device)
             Bt = torch.zeros((C, len(parts), r, col), dtype=w.dtype, device=w.device)
-            self.groups.append((parts, A, Bt))
+            # Arrow: each part's prototypes [P, C, d_in], so one score GEMM gives the weights [T, P, C] of every part
+            protos = None if gate is not None else torch.empty((len(parts), C, w.shape[2]), dtype=w.dtype, device=w.device)
+            self.groups.append((parts, A, Bt, protos))
         self.refresh()
 
     def params(self) -> list[torch.Tensor]:
-        return [self.gate.weight, self.gate.bias, self.routing.bank_A, self.routing.bank_B]
+        gate = [] if self.gate is None else [self.gate.weight, self.gate.bias]
+        return [*gate, self.routing.bank_A, self.routing.bank_B]
 
     def refresh(self) -> None:
-        self.gate_w.copy_(self.gate.weight)
-        self.gate_b.copy_(self.gate.bias)
+        if self.gate is not None:
+            self.gate_w.copy_(self.gate.weight)
+            self.gate_b.copy_(self.gate.bias)
         for g in self.groups:
             if g is not None:
-                parts, A, Bt = g
+                parts, A, Bt, protos = g
                 for j, (m, col) in enumerate(parts):
                     A[:, j].copy_(m.A3)
                     Bt[:, j, :, col : col + m.out_features].copy_(m.Bt3)
+                    if protos is not None:
+                        protos[j].copy_(m.prototypes)
 
     def args(self) -> tuple:
-        """(gate weight, bias, top_k, renormalize, base slot, then per fused projection (A, Bt) or None)."""
+        """(gate weight, bias, top_k, renormalize, base slot, then per fused projection (A, Bt) or None); Arrow: gate
+        None and each projection's (A, Bt, (prototypes [P, C, d_in], top_k, temperature))."""
         spec = self.routing.spec
-        loras = [None if g is None else (g[1].view(-1, g[1].shape[-1]), g[2].view(-1, g[2].shape[-1])) for g in self.groups]
+        loras = []
+        for g in self.groups:
+            if g is None:
+                loras.append(None)
+                continue
+            ab = (g[1].view(-1, g[1].shape[-1]), g[2].view(-1, g[2].shape[-1]))
+            m = g[0][0][0]
+            loras.append(ab if g[3] is None else (*ab, (g[3], m.arrow_top_k, m.arrow_temperature)))
         return (self.gate_w, self.gate_b, spec.top_k, spec.renormalize, self.routing.base_slot, *loras)
 
 
@@ -381,16 +397,22 @@ def _moe_weights(x: torch.Tensor, moe: tuple) -> torch.Tensor:
     """The block's adapter weights [T, C] in x's dtype from its input x [T, H], as the model's gate hook computes
     them (:func:`~tracekit.moe.layer.gate_probs`, then the routing spec's top-k)."""
     gw, gb, top_k, renormalize, base_slot = moe[:5]
+    if gw is None:  # Arrow: each projection weighs its adapters on its own input (_with_delta)
+        return None
     return adapter_weights(gate_probs(x, gw, gb), top_k, renormalize, base_slot).to(x.dtype)
 
 
-def _with_delta(out: torch.Tensor, x: torch.Tensor, lora: tuple | None, w: torch.Tensor) -> torch.Tensor:
-    """``out + ((x A^T) * w per adapter) Bt`` (see :class:`_LoRAMoEBlock`); out itself without a bank."""
+def _with_delta(out: torch.Tensor, x: torch.Tensor, lora: tuple | None, w: torch.Tensor | None) -> torch.Tensor:
+    """``out + ((x A^T) * w per adapter) Bt`` (see :class:`_LoRAMoEBlock`); out itself without a bank. w [T, C]: the
+    block gate's weights; an Arrow bank (a third element) weighs each part by its prototypes on x: w [T, C, P]."""
     if lora is None:
         return out
-    A, Bt = lora
+    A, Bt = lora[:2]
+    if len(lora) == 3:
+        protos, top_k, temperature = lora[2]
+        w = arrow_weights(x, protos, top_k, temperature).transpose(1, 2).to(x.dtype)  # [T, P, C] -> [T, C, P]
     z = F.linear(x, A)
-    z = (z.view(z.shape[0], w.shape[1], -1) * w[:, :, None]).view(z.shape[0], -1)
+    z = (z.view(z.shape[0], *w.shape[1:], -1) * w.unsqueeze(-1)).view(z.shape[0], -1)
     return torch.addmm(out, z, Bt)
 
 

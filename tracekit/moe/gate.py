@@ -9,6 +9,10 @@ f_c = fraction of tokens whose largest gate probability is slot c, P_c = mean ga
 S = number of gate slots (base slot included when present); L_LB is the mean over blocks. f is a
 count (no gradient); the gradient reaches the gates through P. Only the gate parameters are
 optimized (AdamW); the backbone stays in eval mode.
+
+The other objectives of ``consolidation.gate.objective`` (issue 39) are below the CE + LB loop: soft targets
+(:func:`soft_targets`, :func:`soft_target_kl`, :func:`train_gates_soft_target`) and the trajectory-level expert
+policy GRPO updates (:func:`prompt_routing`, :func:`expert_logprobs`).
 """
 
 from __future__ import annotations
@@ -397,3 +401,103 @@ def write_log_csv(rows: Sequence[Mapping[str, float]], path: str | Path) -> None
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(path, buf.getvalue())
+
+
+# --------------------------------------------------------------------------- other gate objectives (issue 39)
+#
+# soft_target (official train/warmstart_gater.py, per_layer scope): each example's routing target is a distribution
+# over the gate slots built from every adapter's measured reward on the example's environment,
+# ``softmax(reward / temperature)``; each block's gate probabilities, averaged over the example's tokens, are pulled
+# to it by KL(target || mean p) (batch mean), and the blocks' KLs are averaged.
+#
+# grpo (official train/grpo_gater.py): the gates define a trajectory-level policy over experts from the first
+# prompt, ``pi(c | prompt) = mean over blocks and prompt tokens of p_b,t(c)`` (:func:`prompt_routing`); one expert is
+# sampled per trajectory and locked for all of it, and the gates are updated by GRPO's clipped surrogate on
+# ``log pi(c | prompt)`` (tracekit.methods.consolidate.gate_objectives runs the loop).
+
+
+def soft_targets(rewards: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Routing targets from measured rewards: rewards [..., S] (one per gate slot) -> softmax(rewards / T) [..., S]
+    (float32). Equal rewards give the uniform target; T -> 0 the argmax."""
+    if temperature <= 0:
+        raise ValueError(f"soft-target temperature must be > 0, got {temperature}")
+    return torch.softmax(rewards.double() / temperature, dim=-1).float()
+
+
+def token_mean(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """probs [B, L, S] averaged over each row's tokens where mask [B, L] is 1 -> [B, S]."""
+    m = mask.to(probs.dtype).unsqueeze(-1)
+    n = m.sum(1)
+    if bool((n == 0).any()):
+        raise ValueError("a row has no token to average the routing over")
+    return (probs * m).sum(1) / n
+
+
+def soft_target_kl(probs: torch.Tensor, mask: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mean_b KL(target_b || q_b) with q_b = the row's token-mean gate probabilities (:func:`token_mean` of probs
+    [B, L, S] over mask [B, L]); target [B, S]. 0 log 0 = 0; q is floored at 1e-9 (as the official code)."""
+    q = token_mean(probs, mask).clamp_min(1e-9)
+    t = target.to(q.dtype)
+    return (torch.xlogy(t, t) - t * q.log()).sum(-1).mean()
+
+
+def prompt_routing(probs: Sequence[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """The trajectory-level expert distribution: per-block gate probabilities [B, L, S] averaged over each row's
+    prompt tokens (mask [B, L]) and then over the blocks -> [B, S], a distribution per row."""
+    return torch.stack([token_mean(p, mask) for p in probs]).mean(0)
+
+
+def _block_probs(model: LoRAMoEModel, shape: tuple[int, int]) -> list[torch.Tensor]:
+    """The latest forward's gate probabilities per adapted block, as [B, L, S]."""
+    return [p.view(*shape, -1) for _, p in sorted(model.gate_probs().items())]
+
+
+def train_gates_soft_target(
+    model: LoRAMoEModel, examples: Sequence[GateExample], targets: Sequence[Sequence[float]], cfg: GateTrainConfig,
+    seed: int = 0, pad_id: int = 0,
+) -> list[dict[str, float]]:
+    """Optimize only the gates on mean over blocks of :func:`soft_target_kl` (every real token of each example,
+    under the inference routing: the hidden states the gates will see); one log row per step (step, loss, tokens,
+    kl/L<b>). ``targets[i]`` is example i's target over the gate slots. The decoder stack alone runs (no vocabulary
+    logits)."""
+    data = as_examples(examples)
+    if not data or len(data) != len(targets):
+        raise ValueError(f"need one target per example, got {len(data)} examples and {len(targets)} targets")
+    model.assert_frozen()
+    params = list(model.trainable_parameters().values())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    lm = model.model
+    lm.eval()
+    device = lm.get_output_embeddings().weight.device
+    target = torch.tensor([list(t) for t in targets], dtype=torch.float32)
+    rows = []
+    with model.routing(model.inference_spec):
+        batches = _batches(len(data), min(cfg.batch_size, len(data)), cfg.steps, seed)
+        for step, idx in enumerate(tqdm(batches, total=cfg.steps, desc="gate (soft target)", leave=False)):
+            batch = collate([data[i] for i in idx], pad_id)
+            attn = batch["attention_mask"].to(device)
+            lm.model(input_ids=batch["input_ids"].to(device), attention_mask=attn, use_cache=False)
+            t = target[idx].to(device)
+            kls = [soft_target_kl(p, attn, t) for p in _block_probs(model, tuple(attn.shape))]
+            loss = torch.stack(kls).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            rows.append({"step": step, "loss": loss.item(), "tokens": int(attn.sum()),
+                         **{f"kl/L{b}": k.item() for b, k in zip(sorted(model.routings), kls)}})
+    log.info("gate training (soft target): %d steps, KL %.4f -> %.4f", cfg.steps, rows[0]["loss"], rows[-1]["loss"])
+    return rows
+
+
+def expert_logprobs(model: LoRAMoEModel, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> torch.Tensor:
+    """log pi(c | prompt) [B, S] of the trajectory-level expert policy (:func:`prompt_routing`) on each prompt's
+    tokens, under the inference routing, with the autograd graph to the gates when grad is enabled."""
+    batch = collate([GateExample(list(p), [0] * len(p)) for p in prompts], pad_id)
+    device = model.model.get_output_embeddings().weight.device
+    attn = batch["attention_mask"].to(device)
+    with model.routing(model.inference_spec):
+        model.model.model(input_ids=batch["input_ids"].to(device), attention_mask=attn, use_cache=False)
+        pi = prompt_routing(_block_probs(model, tuple(attn.shape)), attn)
+    return pi.clamp_min(1e-12).log()

@@ -39,6 +39,10 @@ p = softmax(gate(h)), gate = Linear(d -> C). Routing modes (:class:`RoutingSpec`
   torch API: bf16 grouped GEMM on sm90+ GPUs, a loop elsewhere). ``impl="masked_dense"`` computes
   every expert with the non-kept weights zeroed (the reference the grouped paths are tested against).
 
+Arrow routing (:mod:`tracekit.moe.arrow`, ``consolidation=arrow``): a projection given prototypes
+(:meth:`LoRAMoELinear.set_arrow`) ignores its block's gate and weighs its adapters per token on its own input x by
+``arrow_weights(x, prototypes, top_k, temperature)``, every adapter computed (as peft's Arrow layer).
+
 Optional base slot (official code's "no adapter" slot 0): the gate has C+1 outputs and slot 0
 contributes a zero update. Adapters of different ranks share the bank by zero-padding A's rows and
 B's columns to the block's largest rank, which leaves every B_c A_c unchanged.
@@ -60,6 +64,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tracekit.moe.arrow import arrow_weights
 
 
 @dataclass(frozen=True)
@@ -448,9 +454,23 @@ class LoRAMoELinear(nn.Module):
         self.scales = [float(s) for s in scales]
         self.n_adapters = C
         self._plain_base = type(base) is nn.Linear  # F.linear directly; subclasses (quantized, ...) keep their forward
+        # Arrow routing (:mod:`tracekit.moe.arrow`): the projection routes each token on its own input by its
+        # adapters' prototypes [C, d_in] instead of the block's gate (None: the gate routes)
+        self.register_buffer("prototypes", None, persistent=False)
+        self.arrow_top_k, self.arrow_temperature = 0, 1.0
         # A plain attribute (not a submodule): the block's model owns the routing; projections read it.
         object.__setattr__(self, "routing", routing)
         self.a_cols, self.b_cols = routing.register(a3, bt3)
+
+    def set_arrow(self, prototypes: torch.Tensor, top_k: int, temperature: float) -> None:
+        """Route this projection by Arrow: each token's weights are ``arrow_weights(x, prototypes, top_k,
+        temperature)`` on the projection's own input x (prototypes [C, d_in], one per adapter of the bank)."""
+        if prototypes.shape != (self.n_adapters, self.in_features):
+            raise ValueError(f"prototypes must be [{self.n_adapters}, {self.in_features}], got {tuple(prototypes.shape)}")
+        if self.routing.base_slot:
+            raise ValueError("Arrow routing has no base slot (every slot is an adapter with a prototype)")
+        self.prototypes = prototypes.to(device=self.base.weight.device, dtype=self.base.weight.dtype)
+        self.arrow_top_k, self.arrow_temperature = int(top_k), float(temperature)
 
     @property
     def in_features(self) -> int:
@@ -490,6 +510,10 @@ class LoRAMoELinear(nn.Module):
         # F.linear saves a module call per projection (decode is bound by host time per op)
         x2d = x.reshape(-1, x.shape[-1])
         out = F.linear(x2d, self.base.weight, self.base.bias) if self._plain_base else self.base(x2d)
+        if self.prototypes is not None:  # Arrow: this projection's own routing, every adapter weighed (peft's einsum)
+            w = arrow_weights(x2d, self.prototypes, self.arrow_top_k, self.arrow_temperature)
+            plan = _DensePlan(w, self.rank, x2d.dtype)
+            return plan.delta(self, out, x, x2d).view(*x.shape[:-1], out.shape[-1])
         probs = self.routing.probs
         if probs is not None and probs.shape[0] != x2d.shape[0]:
             raise RuntimeError(

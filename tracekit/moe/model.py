@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tracekit.artifacts import atomic_write_json, read_json
+from tracekit.moe.arrow import arrow_prototype
 from tracekit.moe.counts import composed_parameter_counts, format_counts
 from tracekit.moe.layer import BlockGate, BlockRouting, LoRAMoELinear, RoutingSpec
 
@@ -63,6 +64,10 @@ class MoEConfig:
     include_base_slot: add the official code's "no adapter" slot 0 to the gate.
     gate_init_std: 0 = zero-initialized gates (uniform p at start, as the official code); > 0 = N(0, std)
     drawn with ``seed``.
+    router: "gate" (TRACE: one trained linear gate per adapted block, routing every projection of the block) or
+    "arrow" (training-free, :mod:`tracekit.moe.arrow`: every adapted projection routes its own input by its
+    adapters' prototypes, ``top_k`` of them weighed by a softmax at ``router_temperature``; no gate, no base slot,
+    every adapter of one rank on one set of modules).
     """
 
     top_k: int = 1
@@ -73,6 +78,8 @@ class MoEConfig:
     gate_dtype: str = "float32"
     gate_init_std: float = 0.0
     seed: int = 0
+    router: str = "gate"
+    router_temperature: float = 1.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MoEConfig:
@@ -141,6 +148,25 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> PeftLoRA:
     return PeftLoRA(name or path.name, path, cfg, factors, scales)
 
 
+def check_arrow_adapters(adapters: Sequence[PeftLoRA]) -> None:
+    """Arrow's prototypes compare adapters module by module: every adapter must adapt the same modules at the same
+    rank (peft's ``check_loaded_lora_compatibility_arrow``). One line naming the adapters that differ, else None."""
+    ref = adapters[0]
+    for a in adapters[1:]:
+        if set(a.factors) != set(ref.factors):
+            def short(names):  # peft's target_modules: the modules' own names
+                return ", ".join(sorted({n.rpartition(".")[2] for n in names}))
+            raise ValueError(f"Arrow needs adapters on the same target modules: {ref.name!r} targets "
+                             f"[{short(ref.factors)}] ({len(ref.factors)} modules), {a.name!r} [{short(a.factors)}] "
+                             f"({len(a.factors)} modules)")
+        ranks = {m: (ref.factors[m][0].shape[0], a.factors[m][0].shape[0]) for m in ref.factors}
+        bad = {m: rr for m, rr in ranks.items() if rr[0] != rr[1]}
+        if bad:
+            m, (r0, r1) = sorted(bad.items())[0]
+            raise ValueError(f"Arrow needs adapters of one rank: {ref.name!r} has rank {r0} and {a.name!r} rank {r1} "
+                             f"(on {m}{f' and {len(bad) - 1} more modules' if len(bad) > 1 else ''})")
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """``model.model.layers`` of an HF causal LM, or one clear error."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -194,6 +220,15 @@ class LoRAMoEModel(nn.Module):
         self.blocks = sorted(by_block)
         self.adapted_modules = modules
         layers = decoder_layers(model)
+        arrow = config.router == "arrow"
+        if config.router not in ("gate", "arrow"):
+            raise ValueError(f"router must be 'gate' or 'arrow', got {config.router!r}")
+        if arrow:
+            check_arrow_adapters(adapters)
+            if config.include_base_slot:
+                raise ValueError("Arrow routing has no base slot (include_base_slot=True)")
+            if not 1 <= config.top_k <= len(adapters):
+                raise ValueError(f"Arrow top_k={config.top_k} must be in [1, {len(adapters)}] (the adapters)")
         for module in modules:  # validate everything before touching the backbone
             base = model.get_submodule(module) if _has_submodule(model, module) else None
             if not isinstance(base, nn.Linear):
@@ -218,6 +253,11 @@ class LoRAMoEModel(nn.Module):
                     routing,
                 )
                 setattr(parent, child, bank)
+                if arrow:
+                    protos = torch.stack([arrow_prototype(*a.factors[module]) for a in adapters])
+                    bank.set_arrow(protos, config.top_k, config.router_temperature)
+            if arrow:  # no gate: each projection routes itself
+                continue
             device = next(layers[b].parameters()).device
             gate = BlockGate(hidden, n_slots, dtype=getattr(torch, config.gate_dtype))
             with torch.no_grad():
@@ -229,9 +269,10 @@ class LoRAMoEModel(nn.Module):
             gates[str(b)] = gate.to(device)
         self.gates = nn.ModuleDict(gates)
         self.banks = nn.ModuleDict({str(b): r for b, r in self.routings.items()})  # the frozen adapter banks
+        hooked = [] if arrow else self.blocks  # Arrow: no gate to run, no plan to release
         self._hooks = [
-            layers[b].register_forward_pre_hook(self._gate_hook(b), with_kwargs=True) for b in self.blocks
-        ] + [layers[b].register_forward_hook(self._release_hook(b)) for b in self.blocks]
+            layers[b].register_forward_pre_hook(self._gate_hook(b), with_kwargs=True) for b in hooked
+        ] + [layers[b].register_forward_hook(self._release_hook(b)) for b in hooked]
         self.assert_frozen()
 
     def _gate_hook(self, block: int) -> Callable:
@@ -260,13 +301,18 @@ class LoRAMoEModel(nn.Module):
         :meth:`block_router`) bypasses exactly these; any other hook still stops it."""
         return frozenset(h.id for h in self._hooks)
 
-    def block_router(self, block: int) -> tuple[BlockGate, BlockRouting]:
+    def block_router(self, block: int) -> tuple[BlockGate | None, BlockRouting]:
         """Adapted block ``block``'s gate and routing (its spec and bank; the projections hold their column
         offsets). What :meth:`_gate_hook` runs, for a decoder that computes
-        ``adapter_weights(gate_probs(block input, ...), spec...)`` and the bank's delta itself."""
+        ``adapter_weights(gate_probs(block input, ...), spec...)`` and the bank's delta itself. Arrow routing: no
+        gate (None); the projections hold their prototypes."""
         if block not in self.routings:
             raise KeyError(f"block {block} is not adapted (adapted blocks: {self.blocks})")
-        return self.gates[str(block)], self.routings[block]
+        return self.gates[str(block)] if str(block) in self.gates else None, self.routings[block]
+
+    @property
+    def router(self) -> str:
+        return self.moe_config.router
 
     # ------------------------------------------------------------------ routing
 
@@ -456,6 +502,8 @@ def build_lora_moe(
     names = [a.name for a in loaded]
     if len(set(names)) != len(names):
         raise ValueError(f"adapter names must be unique, got {names}")
+    if config.router == "arrow":
+        check_arrow_adapters(loaded)
     ref = set(loaded[0].factors)
     for a in loaded[1:]:
         if set(a.factors) != ref:

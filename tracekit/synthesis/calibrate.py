@@ -13,6 +13,15 @@ below is a pure function of that table:
 Targets (configurable): mean reward and success rate in [0.2, 0.6], informative groups >= 0.5. The built-in
 library turns its difficulty knob (:func:`calibrate_difficulty` walks the levels toward the target); a generated
 environment that is too easy / too hard is sent back to the generation agent for a mutation round instead.
+
+The official acceptance rule (``synthesis.acceptance=official``; :class:`OfficialAcceptance`, :func:`accept`) is the
+gate of the official TRACE code's ``pipeline/calibrate_environment.py``, run on the finished environment: the base
+policy samples G (16) rollouts on each validation seed, and the environment is kept only if mean reward and success
+rate are in [0.2, 0.6], the reward std >= 0.05, all-success and all-zero groups <= 20% each and informative groups
+>= 50%; pass@{1,4,8,16} is reported. As there, the group rates are over the groups of at least G samples, a group is
+informative when its rewards differ (rounded to 8 decimals), all-zero when every reward is <= 0, and a median group
+below G is refused. Unlike there, a sample's success is the environment's own label where the table carries one
+(reward >= 1 otherwise), and pass@k is the unbiased estimator (theirs: a success among each group's first k samples).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import logging
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -245,3 +254,157 @@ def write_calibration(report: CalibrationReport, out_dir: str | Path, stem: str 
     out = Path(out_dir)
     atomic_write_json(out / f"{stem}.json", report.model_dump(mode="json"))
     atomic_write_text(out / f"{stem}.md", calibration_markdown(report))
+
+
+# --------------------------------------------------------------------------------------------
+# the official acceptance rule (pipeline/calibrate_environment.py of the official TRACE code)
+
+
+@dataclass(frozen=True)
+class OfficialAcceptance:
+    """The official calibration gate, its defaults: G samples per seed, the bands and bounds an environment must
+    meet to be trained on."""
+
+    group_size: int = 16
+    mean_reward: tuple[float, float] = (0.2, 0.6)
+    success_rate: tuple[float, float] = (0.2, 0.6)
+    min_reward_std: float = 0.05
+    max_all_success: float = 0.2
+    max_all_zero: float = 0.2
+    min_informative: float = 0.5
+    success_threshold: float = 1.0  # success = reward >= this where the table carries no success label
+    pass_ks: tuple[int, ...] = (1, 4, 8, 16)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:  # one sample per seed has no variance to learn from
+            raise ValueError(f"acceptance group size G must be >= 2, got {self.group_size}")
+        for name in ("mean_reward", "success_rate"):
+            lo, hi = getattr(self, name)
+            if not 0.0 <= lo <= hi <= 1.0:
+                raise ValueError(f"acceptance band {name} must be [lo, hi] with 0 <= lo <= hi <= 1, got [{lo}, {hi}]")
+        for name in ("min_reward_std", "max_all_success", "max_all_zero", "min_informative"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"acceptance {name} must be in [0, 1], got {getattr(self, name)}")
+
+
+class AcceptanceFigures(BaseModel):
+    """What the official gate measures on one environment (group rates over the groups of at least G samples)."""
+
+    group_size: int
+    n_groups: int
+    n_rollouts: int
+    full_groups: int
+    median_group_size: float
+    mean_reward: float
+    std_reward: float
+    success_rate: float
+    informative_rate: float
+    all_success_rate: float
+    all_zero_rate: float
+    pass_at_k: dict[int, float] = Field(default_factory=dict)
+
+
+def reward_std(rewards: Sequence[float]) -> float:
+    """Population standard deviation of every rollout's reward (0 for fewer than two)."""
+    return statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+
+
+def informative_rate(groups: Sequence[Sequence[float]]) -> float:
+    """Share of groups whose rewards are not all equal (to 8 decimals): GRPO's advantage is zero in the others."""
+    return sum(len({round(r, 8) for r in g}) > 1 for g in groups) / len(groups)
+
+
+def all_success_rate(groups: Sequence[Sequence[bool]]) -> float:
+    """Share of groups in which every sample succeeded."""
+    return sum(all(g) for g in groups) / len(groups)
+
+
+def all_zero_rate(groups: Sequence[Sequence[float]]) -> float:
+    """Share of groups in which every reward is <= 0."""
+    return sum(all(r <= 0.0 for r in g) for g in groups) / len(groups)
+
+
+def mean_pass_at_k(groups: Sequence[Sequence[bool]], k: int) -> float | None:
+    """The unbiased pass@k (:func:`pass_at_k`) averaged over the groups of at least k samples; None when none is."""
+    usable = [g for g in groups if len(g) >= k]
+    return statistics.fmean(pass_at_k(len(g), sum(g), k) for g in usable) if usable else None
+
+
+def acceptance_figures(table: Mapping[Any, Sequence[Any]],
+                       rule: OfficialAcceptance = OfficialAcceptance()) -> AcceptanceFigures:
+    """The official gate's figures of a reward table ``{seed or task: [reward | (reward, success) | outcome, ...]}``."""
+    groups = [[_entry(x, rule.success_threshold) for x in g] for g in table.values()]
+    groups = [g for g in groups if g]
+    if not groups:
+        raise ValueError("empty reward table")
+    full = [g for g in groups if len(g) >= rule.group_size]
+    rated = full or groups  # as the official script: the full groups when there are any
+    rewards = [r for g in groups for r, _ in g]
+    pass_k = {k: mean_pass_at_k([[s for _, s in g] for g in groups], k) for k in rule.pass_ks}
+    return AcceptanceFigures(
+        group_size=rule.group_size,
+        n_groups=len(groups),
+        n_rollouts=len(rewards),
+        full_groups=len(full),
+        median_group_size=statistics.median(len(g) for g in groups),
+        mean_reward=statistics.fmean(rewards),
+        std_reward=reward_std(rewards),
+        success_rate=sum(s for g in groups for _, s in g) / len(rewards),
+        informative_rate=informative_rate([[r for r, _ in g] for g in rated]),
+        all_success_rate=all_success_rate([[s for _, s in g] for g in rated]),
+        all_zero_rate=all_zero_rate([[r for r, _ in g] for g in rated]),
+        pass_at_k={k: v for k, v in pass_k.items() if v is not None},
+    )
+
+
+def acceptance_problems(fig: AcceptanceFigures, rule: OfficialAcceptance = OfficialAcceptance()) -> list[str]:
+    """Every bound the figures miss, in the official script's words (empty: accepted)."""
+    problems = []
+    if fig.median_group_size < rule.group_size:
+        problems.append(f"median group size {fig.median_group_size:g} below G={rule.group_size}")
+    bounds = [("mean_reward", fig.mean_reward, *rule.mean_reward),
+              ("success_rate", fig.success_rate, *rule.success_rate),
+              ("std_reward", fig.std_reward, rule.min_reward_std, None),
+              ("all_success_group_rate", fig.all_success_rate, None, rule.max_all_success),
+              ("all_zero_group_rate", fig.all_zero_rate, None, rule.max_all_zero),
+              ("informative_group_rate", fig.informative_rate, rule.min_informative, None)]
+    for name, value, lo, hi in bounds:
+        if lo is not None and value < lo:
+            problems.append(f"{name}={value:.3f} below minimum {lo:.3f}")
+        if hi is not None and value > hi:
+            problems.append(f"{name}={value:.3f} above maximum {hi:.3f}")
+    return problems
+
+
+def figures_line(fig: AcceptanceFigures) -> str:
+    """The figures on one line (what a refusal and the report show)."""
+    pk = ", ".join(f"pass@{k} {v:.3f}" for k, v in sorted(fig.pass_at_k.items()))
+    return (f"mean reward {fig.mean_reward:.3f}, success {fig.success_rate:.3f}, reward std {fig.std_reward:.3f}, "
+            f"all-success groups {fig.all_success_rate:.3f}, all-zero groups {fig.all_zero_rate:.3f}, "
+            f"informative groups {fig.informative_rate:.3f}" + (f", {pk}" if pk else "")
+            + f" ({fig.n_groups} groups, G={fig.group_size})")
+
+
+class AcceptanceReport(BaseModel):
+    env: str
+    seeds: list[int]
+    rule: dict[str, Any]
+    figures: AcceptanceFigures
+    problems: list[str]
+    accepted: bool
+
+    def refusal(self) -> str:
+        """One line: why the environment is refused, with its numbers."""
+        return (f"refused by the official acceptance rule: {'; '.join(self.problems)} "
+                f"[{figures_line(self.figures)}]")
+
+
+def accept(suite: EnvSuite, seeds: list[int], rollout_fn: RolloutFn,
+           rule: OfficialAcceptance = OfficialAcceptance()) -> AcceptanceReport:
+    """Sample G rollouts per seed of ``suite`` with ``rollout_fn`` and judge them by the official gate."""
+    table = rollout_fn(suite, list(seeds), rule.group_size)
+    figures = acceptance_figures(table, rule)
+    problems = acceptance_problems(figures, rule)
+    log.info("acceptance %s: %s -> %s", suite.name, figures_line(figures), "refused" if problems else "accepted")
+    return AcceptanceReport(env=suite.name, seeds=list(seeds), rule=asdict(rule), figures=figures,
+                            problems=problems, accepted=not problems)

@@ -9,6 +9,11 @@ generation agent's records. ``environments.json`` in ``out_dir`` lists every cap
   validated in-process; with a ``rollout_fn`` its difficulty knob is calibrated.
 - ``source="generate"``: the generation agent writes, validates (sandbox), repairs and, with a ``rollout_fn``,
   mutates a module.
+
+With ``settings.acceptance`` (``synthesis.acceptance=official``) every ready package then faces the official TRACE
+calibration gate (:func:`tracekit.synthesis.calibrate.accept`): the base policy samples G rollouts on each validation
+seed of the package as training will open it; ``acceptance.json`` records the figures, the manifest entry carries
+them, and an environment outside the bands becomes a skip whose reason is the one-line refusal with its numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any, Literal
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.llm.base import ChatClient
 from tracekit.synthesis.agent import GenerationAgentConfig, GenerationSpec, generate_environment
-from tracekit.synthesis.calibrate import CalibrationTargets, RolloutFn, calibrate_difficulty, write_calibration
+from tracekit.synthesis.calibrate import (CalibrationTargets, OfficialAcceptance, RolloutFn, accept,
+                                          calibrate_difficulty, write_calibration)
 from tracekit.synthesis.library import find_library_env, library_env
 from tracekit.synthesis.protocol import InProcessBackend
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxLimits
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "environments.json"
 PACKAGE = "env.json"
+ACCEPTANCE = "acceptance.json"
 
 
 @dataclass
@@ -46,6 +53,7 @@ class SynthesisSettings:
     targets: CalibrationTargets = field(default_factory=CalibrationTargets)
     calibration_seeds: int = 4
     calibration_k: int = 16
+    acceptance: OfficialAcceptance | None = None  # the official gate on every ready package (None: no gate)
 
 
 def trajectory_excerpt(traj: Trajectory, max_chars: int = 1500) -> str:
@@ -75,12 +83,16 @@ def _capabilities(selected: list[dict[str, Any]] | list[Capability]) -> list[tup
 
 def synthesize(selected: list[dict[str, Any]] | list[Capability], target: str, out_dir: str | Path,
                settings: SynthesisSettings = SynthesisSettings(), trajectories: dict[str, Trajectory] | None = None,
-               client: ChatClient | None = None, rollout_fn: RolloutFn | None = None) -> dict[str, Any]:
+               client: ChatClient | None = None, rollout_fn: RolloutFn | None = None,
+               acceptance_fn: RolloutFn | None = None) -> dict[str, Any]:
     """Build, validate (and calibrate) one environment per capability of ``selected`` (``selected.json``
-    entries or Capability objects); returns and writes the manifest."""
+    entries or Capability objects), then put each ready one to ``settings.acceptance`` with ``acceptance_fn`` (the
+    base policy's rollouts); returns and writes the manifest."""
     out = Path(out_dir)
     if settings.source == "generate" and client is None:
         raise ValueError("synthesis.source=generate needs a generation ChatClient")
+    if settings.acceptance is not None and acceptance_fn is None:
+        raise ValueError("synthesis.acceptance=official needs a rollout function (the base policy's samples)")
     if settings.source == "generate" and target not in TARGETS:
         raise ValueError(f"generation needs a concrete target, one of {', '.join(TARGETS)}; got {target!r}")
     entries = []
@@ -91,6 +103,8 @@ def synthesize(selected: list[dict[str, Any]] | list[Capability], target: str, o
         else:
             excerpts = [trajectory_excerpt(trajectories[u]) for u in failed_uids if trajectories and u in trajectories]
             entry = _generated_package(cap, target, pkg, settings, client, rollout_fn, excerpts)
+        if entry["status"] == "ready" and settings.acceptance is not None:
+            entry = _accepted_package(entry, pkg, settings, settings.acceptance, acceptance_fn)
         entries.append(entry)
         log.info("synthesize %s: %s%s", cap.name, entry["status"], f" ({entry['reason']})" if entry.get("reason") else "")
     manifest = {"source": settings.source, "target": target, "environments": entries,
@@ -138,6 +152,23 @@ def _generated_package(cap: Capability, target: str, pkg: Path, settings: Synthe
                                       "target": target, "difficulty": difficulty})
     return {"capability": cap.name, "status": "ready", "kind": "generated", "difficulty": difficulty,
             "rounds": len(result.rounds), "calibrated": result.calibrated}
+
+
+def _accepted_package(entry: dict[str, Any], pkg: Path, settings: SynthesisSettings, rule: OfficialAcceptance,
+                      rollout_fn: RolloutFn) -> dict[str, Any]:
+    """``entry`` with the official gate's figures; a skip with the refusal line when the package misses a band."""
+    seeds = settings.validation.seeds()
+    suite = open_package(pkg, seeds, limits=settings.limits)  # as training opens it
+    try:
+        report = accept(suite, seeds, rollout_fn, rule)
+    finally:
+        suite.close()
+    atomic_write_json(pkg / ACCEPTANCE, report.model_dump(mode="json"))
+    figures = {"accepted": report.accepted, **report.figures.model_dump(mode="json")}
+    if not report.accepted:
+        return {"capability": entry["capability"], "status": "skipped", "reason": report.refusal(),
+                "acceptance": figures}
+    return {**entry, "acceptance": figures}
 
 
 def open_package(pkg_dir: str | Path, seeds: list[int] | range, user: UserKind = "scripted",

@@ -49,6 +49,10 @@ class Strategy(ABC):
         """Config values its result depends on, beyond consolidation.method/budget, backbone and seed."""
         return ()
 
+    def stage_inputs(self, cfg: DictConfig) -> tuple[str, ...]:
+        """The pipeline stages it reads beyond ``train`` under ``cfg`` (default: :attr:`inputs`)."""
+        return self.inputs
+
     @abstractmethod
     def consolidate(self, ctx: StageContext, adapters: dict[str, Artifact]) -> Consolidated:
         """Write the consolidated weights under ``ctx.work_dir`` and say what they are."""

@@ -1,6 +1,11 @@
 """``moe``: TRACE's consolidation, a token-level LoRA mixture of experts over the capability adapters
 (paper section 3.5): frozen adapters, per-block linear gates trained with CE + lambda_LB * LB on the
-capabilities' GRPO rollouts, top-1 routing at inference."""
+capabilities' GRPO rollouts, top-1 routing at inference.
+
+``consolidation.gate.objective`` picks what trains the gates (issue 39; top-1 inference whichever): ``ce_lb`` (the
+paper's, the default: its cache key is TRACE's as before, no other value read), ``soft_target`` (KL to per-environment
+routing targets from the adapters' measured rewards) or ``grpo`` (GRPO on the gates from a ce_lb or soft_target warm
+start); :mod:`tracekit.methods.consolidate.gate_objectives` says what each mirrors and how it deviates."""
 
 from __future__ import annotations
 
@@ -8,15 +13,32 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from omegaconf import OmegaConf
+
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.llm.backbones import load_backbone
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
-from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, mix_uniformly, split_heldout,
-                               train_gates, write_log_csv)
+from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, measure_rewards,
+                                                          train_gates_grpo)
+from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, mix_uniformly, soft_targets,
+                               split_heldout, train_gates, train_gates_soft_target, write_log_csv)
 from tracekit.moe.model import MoEConfig, build_lora_moe
 from tracekit.policy import Budget
 from tracekit.rl.sft import sft_examples
 from tracekit.wiring import backbone_dict, device, dtype
+
+
+def gate_objective(cfg) -> str:
+    """``consolidation.gate.objective``; ce_lb where the compose stage's view masks it (it reads it only otherwise)."""
+    return OmegaConf.select(cfg, "consolidation.gate.objective", default="ce_lb")
+
+
+def warm_objective(cfg) -> str:
+    """The objective that trains the gates first: the configured one, or grpo's warm start."""
+    o = gate_objective(cfg)
+    return cfg.consolidation.gate.grpo.warm_start if o == "grpo" else o
 
 
 def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
@@ -29,10 +51,23 @@ class LoRAMoE(Strategy):
     label = "TRACE"
 
     def reads(self, cfg):
-        return ("moe",)
+        objective = gate_objective(cfg)
+        if objective == "ce_lb":  # the paper's gate: TRACE's keys as before the other objectives existed
+            return ("moe",)
+        reads = ["moe", "consolidation.gate.objective"]
+        if warm_objective(cfg) == "soft_target":
+            reads += ["consolidation.gate.soft_target", *MEASURE_READS]
+        if objective == "grpo":
+            reads += ["consolidation.gate.grpo", *GRPO_READS]
+        return tuple(dict.fromkeys(reads))
+
+    def stage_inputs(self, cfg):
+        # the other objectives roll the adapters out in the capability environments
+        return () if gate_objective(cfg) == "ce_lb" else ("synthesize",)
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         cfg, m = ctx.cfg, ctx.cfg.moe
+        objective, warm = gate_objective(cfg), warm_objective(cfg)
         groups = {cap: gate_examples(a.path, m.gate_data == "successes") for cap, a in adapters.items()}
         empty = [c for c, ex in groups.items() if not ex]
         if empty:
@@ -57,8 +92,39 @@ class LoRAMoE(Strategy):
             return heldout_measures(model, groups, m.batch_size, m.ce_chunk, pad) if groups else {}
 
         before = measure()
-        log_rows = train_gates(model, examples, GateTrainConfig(**{f.name: m[f.name] for f in fields(GateTrainConfig)}),
-                               seed=ctx.seed, pad_id=pad)
+        train_cfg = GateTrainConfig(**{f.name: m[f.name] for f in fields(GateTrainConfig)})
+        extra: dict[str, Any] = {"objective": objective}
+        spent = Budget()
+        pkgs = {}
+        if objective != "ce_lb":
+            syn = ctx.inputs["synthesize"]
+            ready = {e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
+                     if e["status"] == "ready"}
+            pkgs = {cap: syn.path / cap for cap in sorted(ready & set(adapters))}
+        if warm == "ce_lb":
+            log_rows = train_gates(model, examples, train_cfg, seed=ctx.seed, pad_id=pad)
+        else:  # soft targets: every slot's measured reward on each example's environment
+            st = cfg.consolidation.gate.soft_target
+            slots = {s: None if m.base_slot and i == 0 else adapters[s] for i, s in enumerate(model.slot_names)}
+            rewards = measure_rewards(ctx, slots, pkgs, int(st.seeds))
+            missing = sorted(set(train_groups) - set(rewards))
+            if missing:
+                raise RuntimeError(f"compose: no ready environment to measure rewards on for {', '.join(missing)}")
+            target = {cap: soft_targets(torch.tensor([rewards[cap][s] for s in model.slot_names]),
+                                        float(st.temperature)).tolist() for cap in rewards}
+            of = {id(ex): cap for cap, exs in train_groups.items() for ex in exs}
+            log_rows = train_gates_soft_target(model, examples, [target[of[id(ex)]] for ex in examples], train_cfg,
+                                               seed=ctx.seed, pad_id=pad)
+            spent += Budget(episodes=len(slots) * len(pkgs) * int(st.seeds))
+            extra.update(rewards=rewards, targets=target)
+        if objective == "grpo":
+            grpo_rows, grpo_spent = train_gates_grpo(ctx, model, tokenizer, adapters, pkgs, cfg.consolidation.gate.grpo)
+            write_log_csv(grpo_rows, ctx.work_dir / "gate_grpo_log.csv")
+            for row in grpo_rows:
+                ctx.record.logger.scalars({f"moe/grpo/{k}": v for k, v in row.items()})
+            spent += grpo_spent
+            extra["grpo"] = {"iterations": len(grpo_rows), "reward_first": grpo_rows[0]["reward_mean"],
+                             "reward_last": grpo_rows[-1]["reward_mean"], **grpo_spent.to_dict()}
         after = measure()
         write_log_csv(log_rows, ctx.work_dir / "gate_log.csv")
         for row in log_rows:
@@ -68,14 +134,29 @@ class LoRAMoE(Strategy):
             "capabilities": list(adapters), "examples": len(examples), "steps": len(log_rows),
             "heldout": {"examples": len(held), "per_capability": {c: len(v) for c, v in held_groups.items()},
                         "before": before, "after": after},
-            "parameters": model.parameter_counts()})
-        gate = Budget(optimizer_steps=len(log_rows))  # the gate trains on the GRPO rollouts: no new episodes
-        return Consolidated("moe", "moe", adapters_budget(adapters) + gate)
+            "parameters": model.parameter_counts(), **({} if objective == "ce_lb" else extra)})
+        # the warm start trains on the GRPO rollouts (no new episodes); soft targets' measurements and gate GRPO's
+        # rollouts are episodes of their own
+        gate = Budget(optimizer_steps=len(log_rows)) + spent
+        notes = () if objective == "ce_lb" else (gate_note(objective, warm, extra),)
+        return Consolidated("moe", "moe", adapters_budget(adapters) + gate, notes=notes)
 
     def report(self, art, ctx) -> None:
         super().report(art, ctx)
         c = read_json(art.path / "compose.json")
         ctx.record.section("LoRA mixture of experts", moe_report(c))
+
+
+def gate_note(objective: str, warm: str, extra: dict[str, Any]) -> str:
+    """The results-table note of a gate trained by another objective than the paper's CE + LB."""
+    parts = [f"gate objective {objective}" + (f" (warm start {warm})" if objective == "grpo" else "")]
+    if "targets" in extra:
+        parts.append("soft targets " + "; ".join(f"{cap}: " + ", ".join(f"{p:.2f}" for p in t)
+                                                 for cap, t in extra["targets"].items()))
+    if "grpo" in extra:
+        g = extra["grpo"]
+        parts.append(f"GRPO {g['iterations']} iterations, reward {g['reward_first']:.3f} -> {g['reward_last']:.3f}")
+    return "; ".join(parts)
 
 
 def moe_report(c: dict[str, Any]) -> str:
@@ -111,5 +192,18 @@ def moe_report(c: dict[str, Any]) -> str:
                              + f" | {own[0]} |")
     else:
         lines.append("No held-out gate examples (every capability had a single rollout): no CE before/after.")
+    if c.get("rewards"):  # soft targets: each slot's measured reward per environment, and the target it gave
+        slots = list(next(iter(c["rewards"].values())))
+        lines += ["", f"Gate objective {c['objective']}: measured mean reward of each expert per environment -> "
+                  "routing target:", "", "| environment | " + " | ".join(slots) + " | target |",
+                  "|---|" + "---|" * (len(slots) + 1)]
+        for env, r in c["rewards"].items():
+            lines.append(f"| {env} | " + " | ".join(f"{r[s]:.3f}" for s in slots) + " | "
+                         + ", ".join(f"{p:.2f}" for p in c["targets"][env]) + " |")
+    if c.get("grpo"):
+        g = c["grpo"]
+        lines += ["", f"Gate GRPO: {g['iterations']} iterations, {g['episodes']:,} episodes, {g['optimizer_steps']} "
+                  f"steps; mean reward {g['reward_first']:.3f} (first iteration) -> {g['reward_last']:.3f} (last); "
+                  "per iteration in gate_grpo_log.csv."]
     lines += ["", "Parameters: " + ", ".join(f"{k}: {v:,}" for k, v in c["parameters"].items() if isinstance(v, int))]
     return "\n".join(lines)
