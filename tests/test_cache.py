@@ -199,3 +199,20 @@ def test_a_write_on_a_full_disk_names_its_file(tmp_path, monkeypatch):
         app.append({"i": 0})
     app.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]  # no temp file left behind
+
+
+def test_key_neutral_settings_leave_the_key_as_before_they_existed():
+    """An option that only matters when another is on (synthesize's official acceptance gate) keeps the keys of every
+    config that leaves it off: the key is the one computed before the option existed; switched on, it moves."""
+    stage = Stage("s", reads=("g",), inputs=(), compute=lambda ctx: None,
+                  key_neutral=lambda cfg: ("g.gate", "g.gate_size") if cfg.g.gate == "none" else ())
+    before = Pipeline([Stage("s", reads=("g",), inputs=(), compute=lambda ctx: None)])
+    after = Pipeline([stage])
+    old = OmegaConf.create({"g": {"lr": 1}})
+    off = OmegaConf.create({"g": {"lr": 1, "gate": "none", "gate_size": 16}})
+    on = OmegaConf.create({"g": {"lr": 1, "gate": "official", "gate_size": 16}})
+    assert after.key(off, stage, {}) == before.key(old, before.stages["s"], {})
+    assert after.key(on, stage, {}) != after.key(off, stage, {})
+    bad = Stage("s", reads=("g",), inputs=(), compute=lambda ctx: None, key_neutral=lambda cfg: ("h.x",))
+    with pytest.raises(KeyError, match="inside none of the stage's reads"):
+        Pipeline([bad]).key(off, bad, {})

@@ -113,7 +113,24 @@ class Stage:
     report: Callable[[Artifact, StageContext], None] | None = None  # runs on hits and misses alike
     identity_files: tuple[str, ...] = ()  # files defining the content key (default: the cache key)
     key_extra: Callable[[DictConfig], Any] | None = None  # e.g. the contents of a file a config value names
+    # dotted keys inside ``reads`` that this configuration's result does not depend on (an option that only matters
+    # when another is switched on): left out of the key, so that a knob added later keeps the keys of every config
+    # that leaves it off, and their caches
+    key_neutral: Callable[[DictConfig], tuple[str, ...]] | None = None
     version: str = "1"  # bump when the stage's code changes what it writes
+
+
+def drop_key(reads: dict[str, Any], path: str) -> None:
+    """Remove the dotted ``path`` from ``reads`` (read keys -> their plain values), where one of them holds it."""
+    for top, value in reads.items():
+        if path.startswith(top + ".") and isinstance(value, dict):
+            *parents, leaf = path[len(top) + 1 :].split(".")
+            for p in parents:
+                value = value.get(p) if isinstance(value, dict) else None
+            if isinstance(value, dict):
+                value.pop(leaf, None)
+            return
+    raise KeyError(f"key_neutral {path!r} is inside none of the stage's reads {sorted(reads)}")
 
 
 class Pipeline:
@@ -148,6 +165,8 @@ class Pipeline:
         reads = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
                  for k in sorted(self.reads(cfg, stage.name))
                  for v in [OmegaConf.select(cfg, k, throw_on_missing=True)]}
+        for path in stage.key_neutral(cfg) if stage.key_neutral else ():
+            drop_key(reads, path)
         return stable_hash(
             {"stage": stage.name, "version": stage.version, "reads": reads,
              "extra": stage.key_extra(cfg) if stage.key_extra else None,

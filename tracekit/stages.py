@@ -337,6 +337,16 @@ def label_reads(cfg: DictConfig) -> tuple[str, ...]:
             f"llm.endpoints.{a.endpoint}", "backbone", "agent", "thresholds.n", "seed")
 
 
+# the official acceptance gate's own settings (issue 39): while it is off they change nothing, and keys stay as they
+# were before the gate existed
+ACCEPTANCE_SETTINGS = ("synthesis.acceptance", "synthesis.acceptance_group_size", "synthesis.min_reward_std",
+                       "synthesis.max_all_success", "synthesis.max_all_zero")
+
+
+def acceptance_off(cfg: DictConfig) -> tuple[str, ...]:
+    return ACCEPTANCE_SETTINGS if cfg.synthesis.acceptance == "none" else ()
+
+
 def synthesize_reads(cfg: DictConfig) -> tuple[str, ...]:
     sy = cfg.synthesis
     reads = ["synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs"]
@@ -369,7 +379,7 @@ def build_pipeline() -> Pipeline:
         Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
               compute=select_stage, report=select_report, identity_files=("selected_names.json",)),
         Stage("synthesize", reads=synthesize_reads, inputs=("select", "rollout"), compute=synthesize_stage,
-              report=synthesize_report),
+              report=synthesize_report, key_neutral=acceptance_off),
         Stage("train", reads=("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS), inputs=("synthesize",),
               compute=train_stage, report=train_report),
         Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report,
