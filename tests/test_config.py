@@ -170,7 +170,8 @@ def test_open_groups_take_new_keys(make_cfg):
 
     from tracekit.config import EndpointConfig
 
-    cfg = make_cfg("+backbone.arch.rope_theta=1e6", "+grpo.vllm.port=8001")
+    cfg = make_cfg("+backbone.arch.rope_theta=1e6", "grpo.engine=vllm", "+grpo.vllm.port=8001",
+                   "+grpo.vllm.model_path=/models/base")
     # a new endpoint name (from a yaml file: OmegaConf 2.3 cannot `+`-add an entry to a dict of dataclasses)
     with open_dict(cfg):
         cfg.llm.endpoints.judge = EndpointConfig(kind="openai", base_url="http://127.0.0.1:1/v1", model="m")
@@ -198,3 +199,45 @@ def test_wellformed_pinned_dictionary_passes(make_cfg, tmp_path):
     path = tmp_path / "dictionary.json"
     path.write_text('{"capabilities": [{"name": "tool_use", "description": "calls tools"}]}')
     validate(make_cfg("analysis.discovery=pinned", f"analysis.dictionary_path={path}"))
+
+
+# --------------------------------------------------------------------------------------------
+# no dead or silently overridden knob (issue 38)
+
+
+def test_grpo_save_rollouts_is_no_knob(make_cfg):
+    # every run keeps its rollouts full (the gate's and SFT's data): a knob that could not change that is gone
+    with pytest.raises(ConfigError, match=r"^unknown key grpo\.save_rollouts "):
+        validate(make_cfg("+grpo.save_rollouts=none"))
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["grpo.engine=vllm"], r"^grpo\.vllm\.model_path is not set: "),
+    (["grpo.engine=vllm", "+grpo.vllm.model_path=/m", "+grpo.vllm.prot=1"],
+     r"^unknown key grpo\.vllm\.prot \(valid: model_path, host, port, "),
+    (["grpo.engine=vllm", "+grpo.vllm.model_path=/m", "+grpo.vllm.max_lora_rank=8", "grpo.lora.rank=16"],
+     r"^grpo\.vllm\.max_lora_rank=8 is invalid: must be >= grpo\.lora\.rank=16 "),
+    (["grpo.engine=vllm", "+grpo.vllm.model_path=/m", "grpo.temperature=0.7", "grpo.old_logprobs=rollout"],
+     r"^grpo\.old_logprobs='rollout' is invalid: must be recompute with grpo\.engine=vllm and grpo\.temperature=0\.7"),
+    (["+grpo.vllm.port=8001"], r"^grpo\.vllm=\{'port': 8001\} is invalid: must be empty with grpo\.engine="),
+])  # fmt: skip
+def test_the_vllm_engines_keys_and_rules_are_checked_at_validation(make_cfg, overrides, line):
+    with pytest.raises(ConfigError, match=line) as e:
+        validate(make_cfg(*overrides))
+    assert "\n" not in str(e.value)
+
+
+def test_a_valid_vllm_engine_passes(make_cfg):
+    validate(make_cfg("grpo.engine=vllm", "+grpo.vllm.model_path=/m", "grpo.temperature=0.7",
+                      "grpo.old_logprobs=recompute"))
+
+
+def test_grpo_target_keeps_checkpoints_by_its_own_setting(make_cfg):
+    from tracekit.stages import build_pipeline
+
+    pipe = build_pipeline()
+    for name in ("grpo_target", "swe_rl"):
+        reads = pipe.reads(make_cfg(), name)
+        assert "grpo.checkpoint_every" not in reads and "grpo.keep_checkpoints" not in reads and "grpo" not in reads
+        assert "grpo.lr" in reads and f"baselines.{name}" in reads
+    assert "grpo" in pipe.reads(make_cfg(), "train")  # the capability runs keep grpo.checkpoint_every's checkpoints

@@ -27,7 +27,7 @@ from tracekit.envs.pool import REPLY_TIMEOUT_S
 from tracekit.episodes import INFRA_RETRIES
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.rl.distill import DistillSettings
-from tracekit.rl.settings import GRPOSettings, LauncherSettings
+from tracekit.rl.settings import GRPORecipe, GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
 
 
@@ -168,14 +168,18 @@ class SynthesisConfig:
 
 
 @dataclass
-class GrpoConfig(GRPOSettings):
-    """The trainer's settings plus the rollout engine (hf in process | vllm server with LoRA sync)."""
+class GrpoConfig(GRPORecipe):
+    """The recipe plus the rollout engine (hf in process | vllm server with LoRA sync). What a run keeps of its
+    rollouts is no knob: every tracekit run keeps them ``full`` (:func:`tracekit.runs.grpo_run`)."""
 
     engine: str = "hf"
-    vllm: dict[str, Any] = field(default_factory=dict)  # tracekit.rl.vllm_client.VLLMSettings fields
+    # engine=vllm: tracekit.rl.vllm_client.VLLMSettings fields (model_path required); validate() checks the keys, the
+    # values and the engine's rules, and refuses them under another engine
+    vllm: dict[str, Any] = field(default_factory=dict)
 
-    def settings(self) -> GRPOSettings:
-        return GRPOSettings(**{f.name: getattr(self, f.name) for f in fields(GRPOSettings)})  # RANGES is no field
+    def settings(self, save_rollouts: str) -> GRPOSettings:
+        recipe = {f.name: getattr(self, f.name) for f in fields(GRPORecipe)}  # RANGES is no field
+        return GRPOSettings(**recipe, save_rollouts=save_rollouts)
 
 
 @dataclass

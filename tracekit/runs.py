@@ -6,6 +6,7 @@ matched budgets, and the readers of the ``train`` stage's adapters.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from tracekit.artifacts import Artifact, CorruptArtifact, atomic_write_json, read_json
-from tracekit.config import eval_benchmark, evaluation_config
+from tracekit.config import GrpoConfig, eval_benchmark, evaluation_config
 from tracekit.envs.pool import pooled
 from tracekit.pipeline import StageContext
 from tracekit.policy import Policy
@@ -24,8 +25,9 @@ from tracekit.rl.settings import LauncherSettings
 from tracekit.rollout import TRAJECTORIES, is_infra_record, read_trajectories, run_rollouts
 from tracekit.targets import target_of
 from tracekit.types import stable_hash
-from tracekit.wiring import (backbone_dict, build_agent, build_suite, device, dtype, engine_spec, env_reply_timeout,
-                             env_workers, infra_retries, plain, rollout_reads, select, suite_spec, user_kind)
+from tracekit.wiring import (AGENT_ENGINE_READS, backbone_dict, build_agent, build_suite, device, dtype, engine_spec,
+                             env_reply_timeout, env_workers, infra_retries, plain, rollout_reads, select, suite_spec,
+                             user_kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,6 +118,14 @@ def synthesis_target(cfg: DictConfig) -> str:
     return target_of(cfg).synthesis_family(cfg)
 
 
+# what a GRPO run (:func:`grpo_run`) reads: the recipe, the engine, the backbone (the stages that train one read these)
+GRPO_RUN_READS = ("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS)
+# the grpo group's checkpoint knobs; a run on the target's training tasks (grpo_target, swe_rl) keeps its checkpoints
+# by its own setting (baselines.<method>.checkpoint_iterations), so it does not read these
+CHECKPOINT_KNOBS = ("checkpoint_every", "keep_checkpoints")
+GRPO_RUN_READS_OWN_CHECKPOINTS = (*(f"grpo.{f.name}" for f in fields(GrpoConfig) if f.name not in CHECKPOINT_KNOBS),
+                                  *GRPO_RUN_READS[1:])
+
 _LOG_LOCK = threading.Lock()  # concurrent runs replay their metrics to the one run logger
 
 
@@ -131,9 +141,9 @@ def grpo_run(ctx: StageContext, label: str, env: Any, identity: dict[str, Any], 
                       length=20)
 
     def compute(work: Path) -> None:
-        settings = OmegaConf.to_object(cfg.grpo).settings()
+        # every rollout kept with its tokens: the successful ones are the MoE gate's and SFT's data
+        settings = OmegaConf.to_object(cfg.grpo).settings(save_rollouts="full")
         settings.iterations = grpo["iterations"]
-        settings.save_rollouts = "full"  # successful rollouts (with tokens) are the MoE gate's and SFT's data
         spec = TrainSpec(
             model=Factory("tracekit.llm.backbones:load_backbone",
                           {"spec": backbone_dict(cfg), "device": device(cfg), "dtype": dtype(cfg)}),

@@ -29,7 +29,7 @@ from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES, compose_input
 from tracekit.pipeline import Pipeline, Stage, StageContext
 from tracekit.report.figure4 import FIGURE4
 from tracekit.rl.launch import Factory
-from tracekit.runs import (adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
+from tracekit.runs import (GRPO_RUN_READS, adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
                            synthesis_target, train_seeds, trajectories_of)
 from tracekit.synthesis.agent import GenerationAgentConfig
 from tracekit.synthesis.calibrate import CalibrationTargets, OfficialAcceptance, make_rollout_fn
@@ -38,7 +38,7 @@ from tracekit.synthesis.stage import MANIFEST, SynthesisSettings, synthesize
 from tracekit.synthesis.validate import ValidationConfig
 from tracekit.targets import target_of, target_of_trajectories
 from tracekit.types import stable_hash
-from tracekit.wiring import AGENT_ENGINE_READS, client_for, llm_agent, plain, rollout_reads
+from tracekit.wiring import client_for, llm_agent, plain, rollout_reads
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def build_pipeline() -> Pipeline:
               compute=select_stage, report=select_report, identity_files=("selected_names.json",)),
         Stage("synthesize", reads=synthesize_reads, inputs=("select", "rollout"), compute=synthesize_stage,
               report=synthesize_report, key_neutral=acceptance_off),
-        Stage("train", reads=("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS), inputs=("synthesize",),
+        Stage("train", reads=GRPO_RUN_READS, inputs=("synthesize",),
               compute=train_stage, report=train_report),
         Stage("compose", reads=compose_reads, inputs=compose_inputs, compute=compose_stage, report=compose_report,
               version="3"),  # 2: the moe gate holds out a fixed share of its examples (CE before/after on them); 3: per-example routes

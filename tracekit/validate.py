@@ -38,8 +38,9 @@ from tracekit.moe.gate import GateTrainConfig
 from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
 from tracekit.ranges import in_range, what_it_must_be
 from tracekit.rl.distill import DistillSettings
-from tracekit.rl.settings import KINDS, GRPOSettings, LauncherSettings
+from tracekit.rl.settings import KINDS, GRPORecipe, LauncherSettings
 from tracekit.rl.sft import SFTSettings
+from tracekit.rl.vllm_client import check_recipe, vllm_settings
 from tracekit.stages import build_pipeline
 from tracekit.targets import env_names
 from tracekit.targets import kinds as target_kinds
@@ -75,7 +76,7 @@ RANGES: dict[str, str] = {
     "synthesis.acceptance_group_size": ">= 2", "synthesis.min_reward_std": "[0, 1]",
     "synthesis.max_all_success": "[0, 1]", "synthesis.max_all_zero": "[0, 1]",
     "synthesis.cpu_seconds": ">= 1", "synthesis.wall_seconds": ">= 1", "synthesis.memory_mb": ">= 256",
-    **_group_ranges("grpo", GRPOSettings),  # the recipes' own ranges (one check per knob)
+    **_group_ranges("grpo", GRPORecipe),  # the recipes' own ranges (one check per knob)
     **_group_ranges("moe", GateTrainConfig),
     "moe.top_k": ">= 1", "moe.train_top_k": ">= 1", "moe.gate_init_std": ">= 0",
     "moe.trajectories_per_capability": ">= 1",
@@ -181,7 +182,6 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "grpo.checkpoint_policy": ("full", "selective"),
     "grpo.rollout_fast": ("auto", "on", "off"),
     "grpo.dtype": ("auto", "float32", "bfloat16"),
-    "grpo.save_rollouts": ("none", "messages", "full"),
     "grpo.engine": ("hf", "agent", "vllm"),
     "moe.impl": ("grouped", "grouped_mm", "masked_dense"),
     "moe.gate_data": ("successes", "all"),
@@ -329,6 +329,19 @@ def _check_world_backbone(cfg: DictConfig, planted: PlantedSpec) -> None:
                f"{cfg.benchmark.difficulty}) is {tokens} tokens of the {planted.family} tokenizer")
 
 
+def _check_vllm(g: DictConfig) -> None:
+    """``grpo.vllm``: with engine=vllm, the fields of :class:`~tracekit.rl.vllm_client.VLLMSettings` and the
+    engine's rules on the recipe (the trainer checks them again); under another engine, empty (nothing reads it)."""
+    options = OmegaConf.to_container(g.vllm, resolve=True)
+    if g.engine != "vllm":
+        _check(not options, "grpo.vllm", options, f"empty with grpo.engine={g.engine} (only the vllm engine reads it)")
+        return
+    try:
+        check_recipe(vllm_settings(options), g.lora.rank, g.temperature, g.old_logprobs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def _validate(cfg: DictConfig) -> None:
     if "seed" not in cfg:  # Hydra's ~seed deletes it; every stage derives its seeds from it
         raise ConfigError("seed is not in the config (an override like ~seed removes it): every stage derives its "
@@ -373,7 +386,7 @@ def _validate(cfg: DictConfig) -> None:
     sy = cfg.synthesis
     _check(sy.target_low <= sy.target_high, "synthesis.target_low", sy.target_low,
            f"<= synthesis.target_high={sy.target_high}")
-    for group, schema in (("grpo", GRPOSettings), ("launcher", LauncherSettings), ("thresholds", Thresholds),
+    for group, schema in (("grpo", GRPORecipe), ("launcher", LauncherSettings), ("thresholds", Thresholds),
                           ("consolidation.sft", SFTSettings), ("consolidation.distill", DistillSettings)):
         values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
         try:  # the settings dataclasses' own cross-field checks (tis_cap needs old_logprobs=recompute)
@@ -394,6 +407,7 @@ def _validate(cfg: DictConfig) -> None:
     if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
         _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
                "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")
+    _check_vllm(cfg.grpo)
     if cfg.launcher.kind == "deepspeed_zero3" and cfg.launcher.nproc > 1:  # as tracekit.rl.launch.check_supported
         _check(cfg.grpo.engine != "hf", "grpo.engine", "hf",
                "agent or vllm with launcher=deepspeed_zero3 and nproc > 1 (hf rollouts are not rank-synchronized)")

@@ -7,7 +7,8 @@ per-capability GRPO runs' episodes summed, read from the ``train`` stage's adapt
 ``train`` as an input), spent as ``ceil(episodes / (G x K))`` iterations of the same G x K; with
 ``baselines.grpo_target.episodes`` set it needs no TRACE run. Checkpoints every
 ``checkpoint_iterations`` (default ``grpo.iterations``: one capability run's worth) are kept in the adapter
-artifact for Figure 4b (each holds the adapter and its optimizer state).
+artifact for Figure 4b (each holds the adapter and its optimizer state): these checkpoint settings are the method's
+own, so ``grpo.checkpoint_every`` and ``grpo.keep_checkpoints`` (the capability runs') are not among its reads.
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ from tracekit.methods.target_train import (refuse_without_training_split, trace_
 from tracekit.pipeline import Stage
 from tracekit.policy import Policy, grpo_budget
 from tracekit.rl.launch import Factory
-from tracekit.runs import grpo_run, matched_iterations, train_seeds
+from tracekit.runs import GRPO_RUN_READS_OWN_CHECKPOINTS, grpo_run, matched_iterations, train_seeds
 from tracekit.targets import target
-from tracekit.wiring import AGENT_ENGINE_READS
 
 LABEL = "GRPO on Target"
 RESULT = "grpo_target.json"
 
 
 def stage_reads(cfg):
-    return ("grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS, *train_suite_reads(cfg), "baselines.grpo_target")
+    return (*GRPO_RUN_READS_OWN_CHECKPOINTS, *train_suite_reads(cfg), "baselines.grpo_target")
 
 
 def stage_inputs(cfg):

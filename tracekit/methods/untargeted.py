@@ -23,10 +23,9 @@ from tracekit.methods.target_train import trace_episodes
 from tracekit.pipeline import Stage
 from tracekit.policy import Policy, grpo_budget
 from tracekit.rl.launch import Factory
-from tracekit.runs import grpo_run, matched_iterations, package_identity, synthesis_target, train_seeds
+from tracekit.runs import GRPO_RUN_READS, grpo_run, matched_iterations, package_identity, synthesis_target, train_seeds
 from tracekit.synthesis.library import LIBRARY_NAMES, _target_family, library_env
 from tracekit.synthesis.stage import PACKAGE
-from tracekit.wiring import AGENT_ENGINE_READS
 
 LABEL = "Untargeted synthetic (AWM-style)"
 RESULT = "untargeted.json"
@@ -39,7 +38,7 @@ def family_environments(cfg) -> list[str]:
 
 
 def stage_reads(cfg):
-    reads = ["grpo", "backbone", "launcher.kind", *AGENT_ENGINE_READS, "baselines.untargeted_synthetic"]
+    reads = [*GRPO_RUN_READS, "baselines.untargeted_synthetic"]
     if cfg.baselines.untargeted_synthetic.envs_dir is None:  # the library: the target's family, the difficulty
         reads += ["benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs", "synthesis.difficulty"]
     return tuple(reads)

@@ -41,7 +41,7 @@ from tracekit.rl.fused import set_fused_update_kernels
 from tracekit.rl.settings import LauncherSettings
 from tracekit.rl.model import Dist
 from tracekit.rl.trainer import GRPOSettings, GRPOTrainer
-from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings
+from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings, check_recipe
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +206,7 @@ def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, A
             raise NotImplementedError("grpo.engine=vllm under a multi-process launcher is not built: use launcher=local with vllm")
 
         s = VLLMSettings(**{k: v for k, v in spec.engine.items() if k != "kind"})
-        if s.max_lora_rank < spec.grpo.lora.rank:
-            raise ValueError(f"vllm max_lora_rank={s.max_lora_rank} is below grpo.lora.rank={spec.grpo.lora.rank}")
-        if spec.grpo.temperature != 1.0 and spec.grpo.old_logprobs == "rollout":
-            # vLLM reports log-probs of the untempered logits by default; rho would be biased
-            raise ValueError("grpo.engine=vllm with temperature != 1 needs grpo.old_logprobs=recompute")
+        check_recipe(s, spec.grpo.lora.rank, spec.grpo.temperature, spec.grpo.old_logprobs)  # validate() checks it too
         work = Path(spec.out_dir) / "vllm"
         return lambda model, tok: VLLMEngine(s, tok, work, chat_format=spec.chat_format, max_prompt_tokens=spec.grpo.max_prompt_tokens)
     raise ValueError(f"grpo.engine={kind!r} is invalid: must be hf, agent or vllm")

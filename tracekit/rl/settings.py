@@ -32,8 +32,8 @@ def lora_ranges() -> dict[str, str]:
 
 
 @dataclass
-class GRPOSettings:
-    """Every knob of the recipe (the ``grpo`` config group maps onto this one-to-one)."""
+class GRPORecipe:
+    """Every knob of the recipe (the ``grpo`` config group is this class plus the rollout engine)."""
 
     iterations: int = 40
     groups: int = 4  # G seeds per iteration
@@ -76,7 +76,6 @@ class GRPOSettings:
     seed: int = 0
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
-    save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
     # run health and control (none is a paper setting; the defaults are the paper's recipe):
     # health_kl_ref: with kl_beta = 0, still measure kl_ref (k3 KL of the policy to the frozen base) at the
     # cost of one no-grad forward of the batch with the adapter disabled; off: the kl_ref cell stays empty
@@ -116,7 +115,6 @@ class GRPOSettings:
             (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
             (self.tis_cap is None or self.old_logprobs == "recompute", "tis_cap", "null unless old_logprobs=recompute"),
             (isinstance(self.release_rollout_memory, bool), "release_rollout_memory", "true or false"),
-            (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
             (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
             (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
@@ -128,6 +126,19 @@ class GRPOSettings:
         for ok, key, valid in checks:
             if not ok:
                 raise ValueError(f"grpo.{key}={getattr(self, key)!r} is invalid: must be {valid}")
+
+
+@dataclass
+class GRPOSettings(GRPORecipe):
+    """The recipe plus what one run keeps of its rollouts: a run's own choice, not the ``grpo`` group's (tracekit's
+    runs keep them ``full``: the MoE gate's and SFT's data)."""
+
+    save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.save_rollouts not in ("none", "messages", "full"):
+            raise ValueError(f"grpo.save_rollouts={self.save_rollouts!r} is invalid: must be none, messages or full")
 
 
 @dataclass

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,31 @@ class VLLMSettings:
     verify_prompt_ids: bool = True  # compare a server's echoed prompt_token_ids with the ids sent
     env: dict[str, str] = field(default_factory=dict)  # extra environment of a launched server
     vllm_version: str = SUPPORTED_VLLM  # the server's GET /version must equal it
+
+
+def vllm_settings(options: dict[str, Any]) -> VLLMSettings:
+    """``grpo.vllm`` as :class:`VLLMSettings`; ValueError (one line) naming an unknown key or a missing
+    ``model_path``."""
+    known = [f.name for f in fields(VLLMSettings)]
+    for k in options:
+        if k not in known:
+            raise ValueError(f"unknown key grpo.vllm.{k} (valid: {', '.join(known)})")
+    if not options.get("model_path"):
+        raise ValueError("grpo.vllm.model_path is not set: it must be the backbone as a local HF folder with "
+                         "grpo.engine=vllm (the server loads it itself)")
+    return VLLMSettings(**options)
+
+
+def check_recipe(s: VLLMSettings, lora_rank: int, temperature: float, old_logprobs: str) -> None:
+    """The rules a vLLM rollout engine puts on the GRPO recipe (ValueError, one line): the server must take the
+    adapter's rank, and a tempered sampler's log-probs must be recomputed (vLLM reports those of the untempered
+    logits by default, so the importance ratio would be biased)."""
+    if s.max_lora_rank < lora_rank:
+        raise ValueError(f"grpo.vllm.max_lora_rank={s.max_lora_rank} is invalid: must be >= grpo.lora.rank={lora_rank}"
+                         " (the server refuses a larger adapter)")
+    if temperature != 1.0 and old_logprobs == "rollout":
+        raise ValueError(f"grpo.old_logprobs='rollout' is invalid: must be recompute with grpo.engine=vllm and "
+                         f"grpo.temperature={temperature} != 1 (vLLM reports the untempered log-probs)")
 
 
 class VLLMServer:

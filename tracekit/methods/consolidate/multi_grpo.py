@@ -13,8 +13,7 @@ from tracekit.artifacts import Artifact, read_json
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.policy import grpo_budget
 from tracekit.rl.launch import Factory
-from tracekit.runs import grpo_run, matched_iterations, package_identity, train_seeds
-from tracekit.wiring import AGENT_ENGINE_READS
+from tracekit.runs import GRPO_RUN_READS, grpo_run, matched_iterations, package_identity, train_seeds
 
 
 class MultiGRPO(Strategy):
@@ -23,7 +22,7 @@ class MultiGRPO(Strategy):
     inputs = ("synthesize",)
 
     def reads(self, cfg):
-        return ("grpo", "launcher.kind", *AGENT_ENGINE_READS, "consolidation.budget")
+        return (*GRPO_RUN_READS, "consolidation.budget")  # a GRPO run's reads (the backbone: compose's own too)
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         syn = ctx.inputs["synthesize"]
