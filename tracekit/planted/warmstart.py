@@ -283,8 +283,17 @@ def base_identity(base: Any) -> dict[str, Any]:
     return ident
 
 
+def initial_base(spec: PlantedSpec, base: Any) -> Any:
+    """The backbone the warm start starts from. A world-tokenizer backbone is trained from random initialization by
+    the warm start itself, so its initial weights belong to the warm start and take the planted seed (training seed s
+    re-seeds them; at seed 0 they are the ``backbone.seed`` 0 weights every earlier warm start had, key included)."""
+    return dataclasses.replace(base, seed=spec.seed) if base.tokenizer == "world" else base
+
+
 def planted_identity(spec: PlantedSpec, base: Any) -> dict[str, Any]:
-    """What a planted folder depends on: the spec, the base, and a world tokenizer's own identity."""
+    """What a planted folder depends on: the spec, the base (its initial weights' seed), a world tokenizer's own
+    identity."""
+    base = initial_base(spec, base)
     planted = asdict(spec)
     if spec.weak_correct == 1.0:  # solver demonstrations only: the key of every warm start before the option
         del planted["weak_correct"]
@@ -386,6 +395,7 @@ def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
 
     t0 = time.time()
     world = base.tokenizer == "world"
+    base = initial_base(spec, base)
     model, tokenizer = world_base(base, spec.family, cache_dir) if world else load_backbone(base, device, "float32", cache_dir)
     rows, demos, record = demonstrations(spec, tokenizer)
     log.info("planted warm start: %d rows from %d demonstrations (%s)", len(rows), len(demos),
