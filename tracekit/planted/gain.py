@@ -4,9 +4,9 @@ target tasks, with 95% intervals, the per-capability GRPO learning curves and th
 Each variant (``--variant "grpo.lr=5e-5 grpo.iterations=20"``; none: the preset as it is) is one run of the app
 (``python -m tracekit experiment=planted <overrides> <variant>``, every stage cached and shared: variants that
 differ only in GRPO settings share the warm start, the base rollout and the analysis). ``--training-seeds 0 1 2``
-runs each variant once per training seed (``seed=s backbone.planted.seed=s backbone.seed=s``: a random-init
-backbone's initial weights, the warm start's demonstrations and SFT order, the labeling noise, GRPO, the gate: the
-whole pipeline), and adds the seed table: per
+runs each variant once per training seed (``seed=s backbone.planted.seed=s``: the warm start's demonstrations,
+SFT order and, for a world-tokenizer backbone trained from random initialization, its initial weights; the labeling
+noise, GRPO, the gate: the whole pipeline), and adds the seed table: per
 row, each seed's overall pass rate and paired difference against Base, their mean and spread. Written to ``--out``:
 
 - ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
@@ -121,9 +121,9 @@ def seed_rows(table: dict[str, Any], seeds: dict[str, int]) -> dict[str, dict[st
 def seed_md(rows: dict[str, dict[str, Any]]) -> list[str]:
     seeds = sorted({s for r in rows.values() for s in r["per_seed"]})
     md = ["## Training seeds", "",
-          "Each seed re-runs the whole pipeline with `seed=s backbone.planted.seed=s backbone.seed=s`: a "
-          "`random`-source backbone's initial weights, the warm start's demonstrations and SFT order, the labeling "
-          "noise, GRPO and the gate.", "",
+          "Each seed re-runs the whole pipeline with `seed=s backbone.planted.seed=s`: the warm start's "
+          "demonstrations, SFT order and a world-tokenizer backbone's initial weights, the labeling noise, GRPO and "
+          "the gate.", "",
           "| row | " + " | ".join(f"seed {s}: overall / vs Base [paired 95% CI]" for s in seeds)
           + " | overall mean (sd, range) | vs Base mean (sd, range) |",
           "|---|" + "---|" * len(seeds) + "---|---|"]
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("outputs/planted"))
     p.add_argument("--variant", action="append", default=[], help="extra overrides of one variant (repeatable)")
     p.add_argument("--training-seeds", type=int, nargs="*", default=[],
-                   help="run each variant once per training seed (seed=s backbone.planted.seed=s backbone.seed=s)")
+                   help="run each variant once per training seed (seed=s backbone.planted.seed=s)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=planted)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds: dict[str, int] = {}
     for i, v in enumerate(a.variant or [""]):
         for seed in a.training_seeds or [None]:
-            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}", f"backbone.seed={seed}"]
+            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}"]
             name = " ".join([v or "preset", *reseed]) if seed is not None else v or "preset"
             run_dir = a.out / "runs" / (f"variant{i}" + ("" if seed is None else f"-seed{seed}"))
             try:
