@@ -29,6 +29,11 @@ from tracekit.types import stable_hash
 
 log = logging.getLogger(__name__)
 
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python containers (resolved); anything else as it is (the one such reader)."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
 # how a run executes, not what it computes: visible to every stage, in no key
 EXECUTION_KEYS = ("paths", "logger", "launcher", "name", "stages", "experiment", "rollout")
 
@@ -162,9 +167,7 @@ class Pipeline:
         return seen
 
     def key(self, cfg: DictConfig, stage: Stage, inputs: dict[str, Artifact]) -> str:
-        reads = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                 for k in sorted(self.reads(cfg, stage.name))
-                 for v in [OmegaConf.select(cfg, k, throw_on_missing=True)]}
+        reads = {k: plain(OmegaConf.select(cfg, k, throw_on_missing=True)) for k in sorted(self.reads(cfg, stage.name))}
         for path in stage.key_neutral(cfg) if stage.key_neutral else ():
             drop_key(reads, path)
         return stable_hash(

@@ -63,6 +63,16 @@ class Budget:
         return cls(int(d["episodes"]), int(d["generated_tokens"]), int(d["optimizer_steps"]))
 
 
+@dataclass(frozen=True)
+class PolicyRow:
+    """One row of a results table: its label, the policy evaluated and the budget that produced it."""
+
+    label: str
+    policy: Policy
+    budget: Budget
+    notes: tuple[str, ...] = ()
+
+
 def budget_sum(budgets: Any) -> Budget:
     total = Budget()
     for b in budgets:

@@ -22,6 +22,7 @@ from tracekit.pipeline import StageContext
 from tracekit.policy import Policy
 from tracekit.rl.launch import Factory, TrainSpec, train
 from tracekit.rl.settings import LauncherSettings
+from tracekit.synthesis.stage import MANIFEST
 from tracekit.rollout import TRAJECTORIES, is_infra_record, read_trajectories, run_rollouts
 from tracekit.targets import target_of
 from tracekit.types import stable_hash
@@ -95,6 +96,11 @@ TRAIN_SEED_OFFSET = 100_000  # training instances never reuse the validation see
 def adapters_of(train: Artifact) -> dict[str, Artifact]:
     """The per-capability adapter artifacts behind a ``train`` artifact (verified)."""
     return {cap: train.resolve(ref) for cap, ref in read_json(train.path / "adapters.json").items()}
+
+
+def ready_capabilities(syn: Artifact) -> list[str]:
+    """The capabilities whose environment package a ``synthesize`` artifact holds ready, in its manifest's order."""
+    return [e["capability"] for e in read_json(syn.path / MANIFEST)["environments"] if e["status"] == "ready"]
 
 
 def package_identity(pkg: Path) -> dict[str, str]:

@@ -30,7 +30,7 @@ from tracekit.pipeline import Pipeline, Stage, StageContext
 from tracekit.report.figure4 import FIGURE4
 from tracekit.rl.launch import Factory
 from tracekit.runs import (GRPO_RUN_READS, adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
-                           synthesis_target, train_seeds, trajectories_of)
+                           ready_capabilities, synthesis_target, train_seeds, trajectories_of)
 from tracekit.synthesis.agent import GenerationAgentConfig
 from tracekit.synthesis.calibrate import CalibrationTargets, OfficialAcceptance, make_rollout_fn
 from tracekit.synthesis.sandbox import SandboxLimits
@@ -210,8 +210,7 @@ def train_stage(ctx: StageContext) -> None:
     """One GRPO adapter per ready environment, each its own cache entry (keyed on the env's content)."""
     cfg = ctx.cfg
     syn = ctx.inputs["synthesize"]
-    man = read_json(syn.path / MANIFEST)
-    ready = [env["capability"] for env in man["environments"] if env["status"] == "ready"]
+    ready = ready_capabilities(syn)
     runs = cfg.launcher.concurrent_runs
     # capabilities whose environment packages are identical share one run (one cache key): train each content once,
     # so that two concurrent runs never compute the same key

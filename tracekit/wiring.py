@@ -18,17 +18,13 @@ from tracekit.envs.pool import REPLY_TIMEOUT_S, SuiteSpec
 from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm import make_client
 from tracekit.llm.backbones import keeping_cached_models, register_model_cache, release_memory
+from tracekit.pipeline import plain
 from tracekit.targets import target_of
 from tracekit.targets.tau2 import build_user as tau2_user
 from tracekit.types import stable_hash
 
 
 log = logging.getLogger(__name__)
-
-
-def plain(node: Any) -> Any:
-    """A config node as plain Python containers (resolved); anything else as it is."""
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def select(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, Any]:

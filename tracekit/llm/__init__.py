@@ -29,6 +29,7 @@ from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointErr
 from tracekit.llm.hf import HFChatClient
 from tracekit.llm.openai import OpenAIChatClient
 from tracekit.moe.model import LoRAMoEModel
+from tracekit.pipeline import plain
 
 __all__ = ["ChatClient", "ChatRequest", "ChatResponse", "EndpointError", "make_client"]
 
@@ -64,11 +65,8 @@ _OPENAI_KEYS = {
 }
 
 
-def _plain(cfg: Any) -> dict[str, Any]:
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+def _mapping(cfg: Any) -> dict[str, Any]:
+    cfg = plain(cfg)
     if not isinstance(cfg, Mapping):
         raise TypeError(f"client config must be a mapping, got {type(cfg).__name__}")
     return dict(cfg)
@@ -82,7 +80,7 @@ def _check_keys(kind: str, cfg: dict[str, Any], allowed: set[str]) -> None:
 
 def make_client(cfg: Mapping[str, Any] | Any) -> ChatClient:
     """Build a chat client from a config dict (or OmegaConf node); see the module docstring for keys."""
-    cfg = _plain(cfg)
+    cfg = _mapping(cfg)
     kind = cfg.get("kind")
     if kind == "hf":
         return _make_hf(cfg)

@@ -44,6 +44,15 @@ log = logging.getLogger(__name__)
 _TAIL_TOKENS = 16  # stop strings are matched in the decoded last tokens; longer strings need more
 
 
+def padding_id(tokenizer: Any) -> int:
+    """The token id padding rows (the one rule: the tokenizer's pad token, else its end-of-sequence token, else 0).
+    Padded positions are masked everywhere, so the id only has to be a valid one."""
+    for tok in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tok is not None:
+            return int(tok)
+    return 0
+
+
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """EOS ids from the tokenizer, ``<|im_end|>`` and the model's generation config."""
     ids: set[int] = set()
@@ -342,8 +351,7 @@ class HFChatClient(ChatClient):
         self.max_context_tokens = max_context_tokens or getattr(text_config, "max_position_embeddings", None)
         self.torch_threads = torch_threads
         self.stop_ids = stop_token_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
+        self.pad_id = padding_id(tokenizer)
         self._counter = itertools.count()
         self._vocab = int(text_config.vocab_size)
         self.fast = fast

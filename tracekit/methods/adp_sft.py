@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import ConfigError
 from tracekit.llm.backbones import load_backbone
+from tracekit.llm.hf import padding_id
 from tracekit.methods.adp_data import load_adp, sft_rows
 from tracekit.methods.base import Method, PolicyRow
 from tracekit.pipeline import Stage
@@ -49,7 +50,7 @@ def adp_stage(ctx) -> None:
         raise RuntimeError(f"adp_sft: no usable ADP trajectory in {', '.join(s.data)} ({report.summary()})")
     settings = SFTSettings(**{k: v for k, v in OmegaConf.to_container(s, resolve=True).items() if k not in _OWN_KEYS})
     logger = ctx.record.logger
-    summary = train_sft(model, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, examples,
+    summary = train_sft(model, padding_id(tokenizer), examples,
                         settings, ctx.work_dir / "sft", device=device(cfg),
                         callbacks=[lambda row: logger.scalars({f"adp_sft/{k}": v for k, v in row.items()})])
     atomic_write_json(ctx.work_dir / "adp_sft.json", {"summary": summary, "report": report.summary(),

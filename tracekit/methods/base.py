@@ -10,25 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tracekit.policy import Budget, Policy
+from tracekit.policy import PolicyRow
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from tracekit.pipeline import Stage, StageContext
-
-
-@dataclass(frozen=True)
-class PolicyRow:
-    """One row of a results table."""
-
-    label: str
-    policy: Policy
-    budget: Budget
-    notes: tuple[str, ...] = ()
 
 
 class Method(ABC):

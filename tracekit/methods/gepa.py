@@ -49,7 +49,7 @@ from tracekit.rollout import TRAJECTORIES, load_done, run_rollouts
 from tracekit.synthesis.stage import trajectory_excerpt
 from tracekit.targets import target, target_of
 from tracekit.types import Message, stable_hash
-from tracekit.wiring import client_for, llm_agent, release_client
+from tracekit.wiring import client_for, llm_agent, release_client, select
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,7 @@ def stage_inputs(cfg) -> tuple[str, ...]:
 
 
 def _values(cfg, keys) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    out = {}
-    for k in keys:
-        v = OmegaConf.select(cfg, k)
-        out[k] = OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-    return out
+    return select(cfg, tuple(keys))
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from tracekit.config import ConfigError
 from tracekit.methods.consolidate import adapters_budget
 from tracekit.runs import TRAIN_SEED_OFFSET, adapters_of
 from tracekit.targets import target, target_of, train_fields
+from tracekit.pipeline import plain
 from tracekit.wiring import client_for
 
 CAPABILITIES_HEADER = ("Capabilities that tasks in this environment require. Exercise each one whenever a task "
@@ -62,14 +63,14 @@ def train_suite_spec(cfg: DictConfig, n_per_env: int | None = None, limit: int |
     the benchmark without its evaluation subset (split, task_ids, limit), the user and, for an LLM user, its
     endpoint, and the target's size knob (``Target.train_spec``: ``limit``, first n training tasks per domain;
     ``n_per_env`` for synthetic targets, instances per environment)."""
-    bench = {k: v for k, v in _plain(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
+    bench = {k: v for k, v in plain(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
     for key in train_fields():  # left unset, a target's split fields stay out of the identity (Target.train_fields)
         if bench.get(key) in (None, []):
             bench.pop(key, None)
-    spec: dict[str, Any] = {"benchmark": bench, "user": _plain(cfg.user)}
+    spec: dict[str, Any] = {"benchmark": bench, "user": plain(cfg.user)}
     if cfg.user.kind == "llm":
-        spec["llm"] = {"endpoints": {cfg.user.endpoint: _plain(cfg.llm.endpoints[cfg.user.endpoint])}}
-        spec["backbone"] = _plain(cfg.backbone)
+        spec["llm"] = {"endpoints": {cfg.user.endpoint: plain(cfg.llm.endpoints[cfg.user.endpoint])}}
+        spec["backbone"] = plain(cfg.backbone)
         spec["agent"] = {"batch_size": cfg.agent.batch_size, "constrained_tool_calls": False}
     return target_of(cfg).train_spec(cfg, spec, n_per_env, limit)
 
@@ -102,6 +103,3 @@ def capabilities_block(capabilities: list[tuple[str, str]]) -> str:
         lines.append(f"- {name.replace('_', ' ')}: {' '.join(str(description).split())}")
     return "\n".join(lines)
 
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node

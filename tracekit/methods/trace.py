@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracekit.methods.base import Method, PolicyRow
+from tracekit.methods.base import Method
 from tracekit.methods.consolidate import read_consolidated
 
 
@@ -14,5 +14,4 @@ class Trace(Method):
         return ("compose",)
 
     def rows(self, ctx):
-        c = read_consolidated(ctx.inputs["compose"])
-        return [PolicyRow(c.label, c.policy, c.budget, c.notes)]
+        return [read_consolidated(ctx.inputs["compose"])]

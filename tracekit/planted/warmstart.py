@@ -38,6 +38,7 @@ from typing import Any
 from tracekit.agents import GoldAgent
 from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
 from tracekit.llm.backbones import _gguf_key, build_model_from_arch, cache_root, cached_folder, get_spec, load_backbone
+from tracekit.llm.hf import padding_id
 from tracekit.llm.templates import TEMPLATES
 from tracekit.llm.tools import render_prompt, tool_call_id
 from tracekit.llm.world_tokenizer import TOKENIZER_VERSION, byte_tokenizer, train_world_tokenizer
@@ -405,7 +406,7 @@ def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",
     settings = SFTSettings(lr=s.lr, epochs=s.epochs, batch_size=s.batch_size, microbatch_tokens=s.microbatch_tokens,
                            dtype="float32", seed=spec.seed, lora=LoraSettings(rank=s.rank, alpha=s.alpha),
                            checkpoint_every=10**9, warmup_ratio=s.warmup_ratio, full_parameters=world)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = padding_id(tokenizer)
     summary = train_sft(model, pad, rows, settings, out / "sft", device=device)
     del model
     if world:  # every weight trained from random init: the SFT's model is the backbone

@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from tracekit.pipeline import plain
 from tracekit.targets import target, target_of
 
 
@@ -38,8 +39,7 @@ class Reference:
     def value(self, cfg: DictConfig) -> Any:
         if self.get is not None:
             return self.get(cfg)
-        v = OmegaConf.select(cfg, self.key)
-        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+        return plain(OmegaConf.select(cfg, self.key))
 
     def matches(self, value: Any) -> bool:
         return value in self.paper if isinstance(self.paper, tuple) else value == self.paper

@@ -63,6 +63,7 @@ import torch
 from tracekit.artifacts import write_jsonl
 from tracekit.envs.base import EnvSuite
 from tracekit.llm.decoding import causal_lm_of
+from tracekit.llm.hf import padding_id
 from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, load_checkpoint, place_model,
                                     save_checkpoint, save_peft_adapter, seed_everything)
 from tracekit.rl.engines import HFEngine
@@ -315,7 +316,7 @@ def train_distill(
     backend = LocalBackend(model, s)  # the student's parameters only
     factory = engine_factory or hf_engine_factory(chat_format, s.max_prompt_tokens, s.rollout_batch_size, s.rollout_fast)
     engine = factory(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = padding_id(tokenizer)
     metrics = MetricsCSV(out / "metrics.csv", DISTILL_METRIC_COLUMNS + [f"reverse_kl/{e}" for e in envs])
     ckpts = out / "checkpoints"
 

@@ -31,7 +31,7 @@ import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.decoding import Completion, FastDecoder, generate, unsupported_reason
-from tracekit.llm.hf import stop_token_ids
+from tracekit.llm.hf import padding_id, stop_token_ids
 from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
 from tracekit.types import Message, stable_hash
 
@@ -167,11 +167,10 @@ class HFEngine:
             raise ValueError(f"fast must be auto, on or off, got {fast!r}")
         self.model = model
         stops = stop_token_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
         self.client = PolicyChat(
             tokenizer, self._generate, stops, chat_format=chat_format, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size
         )
-        self._pad = int(pad)
+        self._pad = padding_id(tokenizer)
         reason = unsupported_reason(model) if fast != "off" else "fast=off"
         if reason is not None and fast == "on":
             raise NotImplementedError(f"grpo.rollout_fast=on but fast decoding does not support this model: {reason}")

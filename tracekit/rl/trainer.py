@@ -80,6 +80,7 @@ from tracekit.envs.base import EnvSuite
 from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm.backbones import release_memory
 from tracekit.llm.decoding import causal_lm_of
+from tracekit.llm.hf import padding_id
 from tracekit.rl import grpo
 from tracekit.rl.components import (LocalBackend, MetricsCSV, atomic_dir, load_checkpoint, place_model, save_checkpoint,
                                     seed_everything)
@@ -187,7 +188,7 @@ class GRPOTrainer:
                 )
 
         self.engine = engine_factory(self.model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = padding_id(tokenizer)
         self.start_iteration = 0
         self.metrics = MetricsCSV(self.out / "metrics.csv", METRIC_COLUMNS)
         # run state beside the weights (same on every rank; saved in the checkpoints): the skip_saturated

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.policy import Budget, Policy, PolicyKind, budget_sum, grpo_budget
+from tracekit.policy import Budget, Policy, PolicyKind, PolicyRow, budget_sum, grpo_budget
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -30,14 +30,6 @@ class Consolidated:
     budget: Budget  # everything it consumed, the capability adapters' training included where it uses them
     weights: Artifact | None = None  # a sub-artifact holding the weights (None: the compose artifact itself)
     notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ConsolidatedRow:
-    label: str
-    policy: Policy
-    budget: Budget
-    notes: tuple[str, ...]
 
 
 class Strategy(ABC):
@@ -79,8 +71,7 @@ def write_consolidated(work_dir, strategy: Strategy, result: Consolidated) -> No
         "notes": list(result.notes)})
 
 
-def read_consolidated(compose: Artifact) -> ConsolidatedRow:
+def read_consolidated(compose: Artifact) -> PolicyRow:
     c = read_json(compose.path / CONSOLIDATED)
     weights = compose.resolve(c["weights"]) if c["weights"] else compose
-    return ConsolidatedRow(c["label"], Policy(c["kind"], weights, c["subdir"]), Budget.from_dict(c["budget"]),
-                           tuple(c["notes"]))
+    return PolicyRow(c["label"], Policy(c["kind"], weights, c["subdir"]), Budget.from_dict(c["budget"]), tuple(c["notes"]))

@@ -44,7 +44,7 @@ from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import ConfigError
 from tracekit.envs.base import EnvSuite
 from tracekit.llm.backbones import load_backbone
-from tracekit.llm.hf import HFChatClient
+from tracekit.llm.hf import HFChatClient, padding_id
 from tracekit.llm.tools import encode_prompt
 from tracekit.moe.gate import expert_logprobs
 from tracekit.moe.model import LoRAMoEModel
@@ -207,7 +207,7 @@ def train_gates_grpo(ctx: StageContext, model: LoRAMoEModel, tokenizer: Any, ada
         raise ConfigError(f"consolidation.gate.grpo: no source of reward variance (group_size={s.group_size}, "
                           f"hint_fraction={s.hint_fraction}, temperature={s.temperature}, {len(slots)} expert): "
                           "GRPO's advantages would all be 0")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = padding_id(tokenizer)
     peft, client = _rollout_client(cfg, adapters)
     base_agent = dict(temperature=s.temperature, top_p=cfg.agent.top_p, max_new_tokens=cfg.agent.max_new_tokens)
     seeds = train_seeds(cfg)  # the capability runs' training instances (never evaluated)

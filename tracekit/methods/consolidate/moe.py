@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.llm.backbones import load_backbone
+from tracekit.llm.hf import padding_id
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, measure_rewards,
                                                           train_gates_grpo)
@@ -27,6 +28,7 @@ from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, m
 from tracekit.moe.model import MoEConfig, build_lora_moe
 from tracekit.policy import Budget
 from tracekit.rl.sft import sft_examples
+from tracekit.runs import ready_capabilities
 from tracekit.wiring import backbone_dict, device, dtype
 
 
@@ -85,7 +87,7 @@ class LoRAMoE(Strategy):
                                          train_top_k=m.train_top_k, include_base_slot=m.base_slot,
                                          gate_init_std=m.gate_init_std, seed=ctx.seed),
                                backbone_spec={"tracekit_backbone": backbone_dict(cfg)})
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pad = padding_id(tokenizer)
 
         def measure() -> dict[str, Any]:
             groups = {cap: ex for cap, ex in held_groups.items() if ex}
@@ -98,8 +100,7 @@ class LoRAMoE(Strategy):
         pkgs = {}
         if objective != "ce_lb":
             syn = ctx.inputs["synthesize"]
-            ready = {e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
-                     if e["status"] == "ready"}
+            ready = set(ready_capabilities(syn))
             pkgs = {cap: syn.path / cap for cap in sorted(ready & set(adapters))}
         if warm == "ce_lb":
             log_rows = train_gates(model, examples, train_cfg, seed=ctx.seed, pad_id=pad)

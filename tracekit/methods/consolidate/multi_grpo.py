@@ -9,11 +9,11 @@ spend them. It does not reuse the capability adapters.
 
 from __future__ import annotations
 
-from tracekit.artifacts import Artifact, read_json
+from tracekit.artifacts import Artifact
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.policy import grpo_budget
 from tracekit.rl.launch import Factory
-from tracekit.runs import GRPO_RUN_READS, grpo_run, matched_iterations, package_identity, train_seeds
+from tracekit.runs import GRPO_RUN_READS, grpo_run, ready_capabilities, matched_iterations, package_identity, train_seeds
 
 
 class MultiGRPO(Strategy):
@@ -26,8 +26,7 @@ class MultiGRPO(Strategy):
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         syn = ctx.inputs["synthesize"]
-        ready = [e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
-                 if e["status"] == "ready"]
+        ready = ready_capabilities(syn)
         pkgs = {cap: syn.path / cap for cap in sorted(ready)}
         target = adapters_budget(adapters)
         # the episodes the capability runs actually spent (an early stop or dynamic resampling changes the plan)

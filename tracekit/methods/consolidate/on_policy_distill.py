@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 
-from tracekit.artifacts import Artifact, read_json
+from tracekit.artifacts import Artifact
 from tracekit.llm.backbones import load_backbone
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.policy import Budget
 from tracekit.rl.distill import DistillSettings, train_distill
-from tracekit.runs import train_seeds
+from tracekit.runs import ready_capabilities, train_seeds
 from tracekit.synthesis.mixture import MixtureSuite
 from tracekit.synthesis.stage import open_package
 from tracekit.wiring import backbone_dict, device, dtype
@@ -36,8 +36,7 @@ class OnPolicyDistill(Strategy):
 
         cfg = ctx.cfg
         syn = ctx.inputs["synthesize"]
-        ready = {e["capability"] for e in read_json(syn.path / "environments.json")["environments"]
-                 if e["status"] == "ready"}
+        ready = set(ready_capabilities(syn))
         seeds = train_seeds(cfg)
         suites = {cap: open_package(syn.path / cap, seeds) for cap in sorted(ready & set(adapters))}
         suite = MixtureSuite(list(suites.values()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tracekit.artifacts import Artifact
 from tracekit.llm.backbones import load_backbone
+from tracekit.llm.hf import padding_id
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.policy import Budget
 from tracekit.rl.sft import SFTSettings, sft_examples, train_sft
@@ -31,7 +32,7 @@ class SFTSynthetic(Strategy):
         settings = SFTSettings(**{k: v for k, v in OmegaConf.to_container(s, resolve=True).items() if k != "data"})
         model, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
         logger = ctx.record.logger
-        summary = train_sft(model, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, examples,
+        summary = train_sft(model, padding_id(tokenizer), examples,
                             settings, ctx.work_dir / "sft", device=device(cfg),
                             callbacks=[lambda row: logger.scalars({f"sft/{k}": v for k, v in row.items()})])
         return Consolidated("adapter", "sft/adapter",
