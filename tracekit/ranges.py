@@ -11,6 +11,15 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
+# the training recipes' dtype choices (auto: bf16 on GPU, fp32 on CPU): one list for grpo, sft, distill and adp_sft
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def one_of(options: tuple[str, ...]) -> str:
+    """``a, b or c``: how a message names the choices."""
+    return ", ".join(options[:-1]) + " or " + options[-1] if len(options) > 1 else options[0]
+
+
 BOUND_OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 

@@ -36,7 +36,7 @@ from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
-from tracekit.ranges import in_range, what_it_must_be
+from tracekit.ranges import DTYPES, in_range, what_it_must_be
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import KINDS, GRPORecipe, LauncherSettings
 from tracekit.rl.sft import SFTSettings
@@ -167,7 +167,7 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     **CODING_CHOICES,  # benchmark.coding.modifiers: swesmith's Python modifiers
     "backbone.source": ("random", "gguf", "hub"),
     "backbone.chat_format": _chat_formats,
-    "backbone.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "backbone.dtype": (*DTYPES, "float16"),
     "backbone.device": r"auto|cpu|mps|cuda(:\d+)?",
     "agent.kind": ("llm", "gold"),
     "agent.tool_choice": ("auto", "required"),
@@ -181,7 +181,7 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "grpo.old_logprobs": ("rollout", "recompute"),
     "grpo.checkpoint_policy": ("full", "selective"),
     "grpo.rollout_fast": ("auto", "on", "off"),
-    "grpo.dtype": ("auto", "float32", "bfloat16"),
+    "grpo.dtype": DTYPES,
     "grpo.engine": ("hf", "agent", "vllm"),
     "moe.impl": ("grouped", "grouped_mm", "masked_dense"),
     "moe.gate_data": ("successes", "all"),
@@ -193,9 +193,9 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "consolidation.gate.objective": ("ce_lb", "soft_target", "grpo"),
     "consolidation.gate.grpo.warm_start": ("ce_lb", "soft_target"),
     "consolidation.sft.schedule": ("linear", "constant"),
-    "consolidation.sft.dtype": ("auto", "float32", "bfloat16"),
+    "consolidation.sft.dtype": DTYPES,
     "consolidation.distill.rollout_fast": ("auto", "on", "off"),
-    "consolidation.distill.dtype": ("auto", "float32", "bfloat16"),
+    "consolidation.distill.dtype": DTYPES,
     "consolidation.distill.save_rollouts": ("none", "messages", "full"),
     "llm.endpoints.*.kind": ("hf", "openai"),
     "eval.mode": ("greedy", "stochastic"),
@@ -214,7 +214,7 @@ CHOICES: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]] | str] = {
     "baselines.untargeted_synthetic.envs_dir": r".+",  # a folder of environment packages (checked in validate())
     "baselines.adp_sft.data": r"(hf://[\w.\-]+/[\w.\-]+(/[\w.\-/]+)?|[^:]+|[A-Za-z]:.+)",  # paths or hub ids
     "baselines.adp_sft.schedule": ("linear", "constant"),
-    "baselines.adp_sft.dtype": ("auto", "float32", "bfloat16"),
+    "baselines.adp_sft.dtype": DTYPES,
     "baselines.adp_sft.lora.target_modules": r"[\w.\-*]+",
     "baselines.adp_sft.lora.target_parameters": r"[\w.\-*]+",
 }

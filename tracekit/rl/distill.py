@@ -69,7 +69,7 @@ from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, lo
 from tracekit.rl.engines import HFEngine
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
 from tracekit.rl.fused import set_fused_update_kernels
-from tracekit.ranges import check_ranges
+from tracekit.ranges import DTYPES, check_ranges, one_of
 from tracekit.rl.settings import LoraSettings, lora_ranges
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
 from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
@@ -126,7 +126,7 @@ class DistillSettings:
         check_ranges("distill", self, self.RANGES)
         check_settings("distill", self, [
             (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
-            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.dtype in DTYPES, "dtype", one_of(DTYPES)),
             (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
         ])
 

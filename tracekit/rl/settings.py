@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tracekit.ranges import check_ranges
+from tracekit.ranges import DTYPES, check_ranges, one_of
 
 KINDS = ("local", "deepspeed_zero2", "deepspeed_zero3")
 
@@ -115,7 +115,7 @@ class GRPORecipe:
             (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
             (self.tis_cap is None or self.old_logprobs == "recompute", "tis_cap", "null unless old_logprobs=recompute"),
             (isinstance(self.release_rollout_memory, bool), "release_rollout_memory", "true or false"),
-            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.dtype in DTYPES, "dtype", one_of(DTYPES)),
             (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
             (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
             (isinstance(self.health_kl_ref, bool), "health_kl_ref", "true or false"),

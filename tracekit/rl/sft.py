@@ -49,7 +49,7 @@ from tracekit.llm.decoding import causal_lm_of
 from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, load_checkpoint, place_model,
                                     save_checkpoint, save_peft_adapter, seed_everything)
 from tracekit.rl.fused import set_fused_update_kernels
-from tracekit.ranges import check_ranges
+from tracekit.ranges import DTYPES, check_ranges, one_of
 from tracekit.rl.settings import LoraSettings, lora_ranges
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
 from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
@@ -98,7 +98,7 @@ class SFTSettings:
         check_ranges("sft", self, self.RANGES)
         check_settings("sft", self, [
             (self.schedule in ("linear", "constant"), "schedule", "linear or constant"),
-            (self.dtype in ("auto", "float32", "bfloat16"), "dtype", "auto, float32 or bfloat16"),
+            (self.dtype in DTYPES, "dtype", one_of(DTYPES)),
         ])
 
 
