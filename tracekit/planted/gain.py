@@ -4,9 +4,9 @@ target tasks, with 95% intervals, the per-capability GRPO learning curves and th
 Each variant (``--variant "grpo.lr=5e-5 grpo.iterations=20"``; none: the preset as it is) is one run of the app
 (``python -m tracekit experiment=planted <overrides> <variant>``, every stage cached and shared: variants that
 differ only in GRPO settings share the warm start, the base rollout and the analysis). ``--training-seeds 0 1 2``
-runs each variant once per training seed (``seed=s backbone.planted.seed=s``: the warm start's demonstrations,
-SFT order and, for a world-tokenizer backbone trained from random initialization, its initial weights; the labeling
-noise, GRPO, the gate: the whole pipeline), and adds the seed table: per
+runs each variant once per training seed (``seed=s backbone.planted.seed=s``, and for a world-tokenizer backbone
+trained from random initialization ``backbone.planted.init_seed=s``: the initial weights, the warm start's
+demonstrations and SFT order, the labeling noise, GRPO, the gate: the whole pipeline), and adds the seed table: per
 row, each seed's overall pass rate and paired difference against Base, their mean and spread. Written to ``--out``:
 
 - ``planted_gain.md`` / ``.json``: per variant and row, the per-seed overall pass rates, their mean +- the Student-t
@@ -40,6 +40,7 @@ from typing import Any
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.cli import compose_config, task
 from tracekit.config import ConfigError
+from tracekit.llm.backbones import get_spec
 from tracekit.methods.consolidate.moe import moe_report
 from tracekit.paired import Z95, paired_vs_base, required_n, summary_of_outcomes
 from tracekit.planted.curves import adapter_curves, write_curves
@@ -121,9 +122,9 @@ def seed_rows(table: dict[str, Any], seeds: dict[str, int]) -> dict[str, dict[st
 def seed_md(rows: dict[str, dict[str, Any]]) -> list[str]:
     seeds = sorted({s for r in rows.values() for s in r["per_seed"]})
     md = ["## Training seeds", "",
-          "Each seed re-runs the whole pipeline with `seed=s backbone.planted.seed=s`: the warm start's "
-          "demonstrations, SFT order and a world-tokenizer backbone's initial weights, the labeling noise, GRPO and "
-          "the gate.", "",
+          "Each seed re-runs the whole pipeline with `seed=s backbone.planted.seed=s` (and, for a world-tokenizer "
+          "backbone, `backbone.planted.init_seed=s`): its initial weights, the warm start's demonstrations and SFT "
+          "order, the labeling noise, GRPO and the gate.", "",
           "| row | " + " | ".join(f"seed {s}: overall / vs Base [paired 95% CI]" for s in seeds)
           + " | overall mean (sd, range) | vs Base mean (sd, range) |",
           "|---|" + "---|" * len(seeds) + "---|---|"]
@@ -309,6 +310,18 @@ def report(variants: dict[str, dict[str, Any]], out: Path,
     return table
 
 
+def init_seed(overrides: list[str], seed: int) -> list[str]:
+    """``+backbone.planted.init_seed=s`` where the backbone is trained from random initialization by the warm start
+    (a world tokenizer): its initial weights are part of the training seed. Left unset at seed 0, whose weights are
+    ``backbone.seed`` 0's either way, so seed 0 keeps the keys and caches of every earlier run."""
+    if seed == 0:
+        return []
+    cfg = compose_config(overrides)
+    planted = cfg.backbone.get("planted")
+    world = planted is not None and get_spec(backbone_dict(cfg)).tokenizer == "world"
+    return [f"+backbone.planted.init_seed={seed}"] if world else []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tracekit.planted.gain", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs/planted"))
@@ -327,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds: dict[str, int] = {}
     for i, v in enumerate(a.variant or [""]):
         for seed in a.training_seeds or [None]:
-            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}"]
+            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}", *init_seed(a.overrides, seed)]
             name = " ".join([v or "preset", *reseed]) if seed is not None else v or "preset"
             run_dir = a.out / "runs" / (f"variant{i}" + ("" if seed is None else f"-seed{seed}"))
             try:

@@ -95,6 +95,9 @@ class PlantedSpec:
     weak_correct: float | dict[str, float] = 1.0
     difficulty: int = 0
     seed: int = 0
+    # a world-tokenizer backbone (trained from random initialization by this warm start): its initial weights' seed.
+    # None: backbone.seed's (0), the weights of every warm start before the option, key included
+    init_seed: int | None = None
     family: str = FAMILY
     sft: WarmStartSFT = field(default_factory=WarmStartSFT)
 
@@ -285,10 +288,14 @@ def base_identity(base: Any) -> dict[str, Any]:
 
 
 def initial_base(spec: PlantedSpec, base: Any) -> Any:
-    """The backbone the warm start starts from. A world-tokenizer backbone is trained from random initialization by
-    the warm start itself, so its initial weights belong to the warm start and take the planted seed (training seed s
-    re-seeds them; at seed 0 they are the ``backbone.seed`` 0 weights every earlier warm start had, key included)."""
-    return dataclasses.replace(base, seed=spec.seed) if base.tokenizer == "world" else base
+    """The backbone the warm start starts from: a world-tokenizer backbone is trained from random initialization by
+    the warm start itself, so ``init_seed`` (where set) seeds its initial weights."""
+    if spec.init_seed is None:
+        return base
+    if base.tokenizer != "world":
+        raise ValueError(f"backbone.planted.init_seed={spec.init_seed}: only a world-tokenizer backbone is initialized by "
+                         f"the warm start; {base.name} brings its own weights")
+    return dataclasses.replace(base, seed=spec.init_seed)
 
 
 def planted_identity(spec: PlantedSpec, base: Any) -> dict[str, Any]:
@@ -298,6 +305,8 @@ def planted_identity(spec: PlantedSpec, base: Any) -> dict[str, Any]:
     planted = asdict(spec)
     if spec.weak_correct == 1.0:  # solver demonstrations only: the key of every warm start before the option
         del planted["weak_correct"]
+    if spec.init_seed is None:  # backbone.seed's weights: likewise (the base identity carries the seed used)
+        del planted["init_seed"]
     ident = {"planted": planted, "base": base_identity(base), "version": PLANTED_VERSION}
     if base.tokenizer == "world":  # the world's text and the tokenizer's rules are inputs of the weights
         ident["world_tokenizer"] = world_tokenizer_identity(spec.family, base.chat_format, int(base.arch["vocab_size"]))
