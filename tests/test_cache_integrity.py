@@ -96,6 +96,9 @@ def test_every_read_value_and_only_those_change_a_stage_key(make_cfg, preset):
             # a leaf counts as read when a read value holds it (or interpolates it: grpo.seed is ${seed})
             read = _read_values(cfg, reads) != _read_values(mutated, reads)
             assert read == any(leaf == r or leaf.startswith(r + ".") for r in reads) or leaf == "seed", (name, leaf)
+            neutral = pipe.stages[name].key_neutral
+            if read and neutral is not None and leaf in neutral(cfg) and leaf in neutral(mutated):
+                read = False  # declared key-neutral in both configs: a setting of a switched-off option
             assert (keys[name] != base[name]) == read, (name, leaf)
             checked += 1
     assert checked > 300

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from tracekit.config import ConfigError
 from tracekit.methods.consolidate import STRATEGIES, compose_inputs, compose_reads
 from tracekit.methods.consolidate.gate_objectives import HintedSuite, hint_schedule, hint_text, variance_sources
+from tracekit.methods.consolidate.moe import gate_objective
 from tracekit.moe.gate import (GateExample, GateTrainConfig, expert_logprobs, prompt_routing, soft_target_kl,
                                soft_targets, token_mean, train_gates_soft_target)
 from tracekit.moe.model import MoEConfig, build_lora_moe
@@ -170,6 +171,9 @@ def test_ce_lb_keeps_tracess_compose_key_and_the_others_read_their_settings(make
     assert cfg.consolidation.gate.objective == "ce_lb"
     assert compose_reads(cfg) == ("consolidation.method", "backbone", "seed", "moe")  # as before issue 39
     assert compose_inputs(cfg) == ("train",)
+    from tracekit.pipeline import read_view
+
+    assert gate_objective(read_view(cfg, compose_reads(cfg))) == "ce_lb"  # the stage's view masks the gate group
     pipe = build_pipeline()
 
     def key(c):  # compose's key over stand-in inputs

@@ -17,7 +17,7 @@ from tracekit.rl.engines import (
     sample_completions,
 )
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
-from tracekit.rl.vllm_client import VLLMEngine, VLLMSettings, parse_vllm_choice
+from tracekit.rl.vllm_client import SUPPORTED_VLLM, VLLMEngine, VLLMSettings, parse_vllm_choice
 from tracekit.types import Message
 
 
@@ -126,11 +126,19 @@ def test_parse_vllm_choice():
 
 
 class _FakeVLLM(BaseHTTPRequestHandler):
-    """Speaks the three endpoints the vllm engine uses, like `vllm serve --enable-lora` does."""
+    """Speaks the endpoints the vllm engine uses, like `vllm serve --enable-lora` does."""
 
     loaded: list[str] = []
     unloaded: list[str] = []
     requests: list[dict] = []
+
+    def do_GET(self):  # noqa: N802 - the version check and the served base model
+        out = {"version": SUPPORTED_VLLM} if self.path == "/version" else {"data": [{"id": "base", "parent": None}]}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.llm.backbones import load_backbone
@@ -34,7 +34,10 @@ from tracekit.wiring import backbone_dict, device, dtype
 
 def gate_objective(cfg) -> str:
     """``consolidation.gate.objective``; ce_lb where the compose stage's view masks it (it reads it only otherwise)."""
-    return OmegaConf.select(cfg, "consolidation.gate.objective", default="ce_lb")
+    node: Any = cfg
+    for part in ("consolidation", "gate"):  # one level at a time: a masked group reads as a MISSING string
+        node = OmegaConf.select(node, part, default=None) if isinstance(node, DictConfig) else None
+    return OmegaConf.select(node, "objective", default="ce_lb") if isinstance(node, DictConfig) else "ce_lb"
 
 
 def warm_objective(cfg) -> str:
