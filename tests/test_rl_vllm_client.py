@@ -234,3 +234,10 @@ def test_a_server_without_runtime_lora_loading_is_one_line(tok, tmp_path):
             eng.sync(0, lambda p: model.save_pretrained(str(p)))
     finally:
         eng.close()
+
+
+def test_the_gpu_extra_pins_the_vllm_the_client_supports():
+    import tomllib
+
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert f"vllm=={SUPPORTED_VLLM}" in extra
