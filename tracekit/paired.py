@@ -29,9 +29,14 @@ Z95 = 1.959964  # the normal 0.975 quantile
 N_BOOT = 10_000
 BOOT_CHUNK = 1_000  # bootstrap replicates drawn at once: bounds memory at BOOT_CHUNK x clusters indices
 BASE_METHOD = "base"  # the ``method`` of the row every other row is paired against
-INTERVAL = ("mean of the per-episode success differences (row - Base) on the same env/task/seed episodes; "
-            "95% percentile bootstrap resampling tasks with their seeds; fixed = row solved, Base not; "
+def interval_text(reference: str = "Base") -> str:
+    """How a paired row is computed, against ``reference`` (the row every other one is paired with)."""
+    return (f"mean of the per-episode success differences (row - {reference}) on the same env/task/seed episodes; "
+            f"95% percentile bootstrap resampling tasks with their seeds; fixed = row solved, {reference} not; "
             "broken = the reverse; exact two-sided McNemar p on those")
+
+
+INTERVAL = interval_text()
 
 
 def outcome_map(trajectories: Iterable[Trajectory]) -> dict[str, int]:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
-from tracekit.paired import INTERVAL as PAIRED_INTERVAL
+from tracekit.paired import interval_text
 from tracekit.paired import base_label, paired_line, summary_of_outcomes
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def paired_lines(rows: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         summaries = paired_against(rows, ref)
         if summaries:
             out[key] = summaries
-            text += f"\nPaired vs {ref} ({PAIRED_INTERVAL}):\n" + "\n".join(
+            text += f"\nPaired vs {ref} ({interval_text(ref)}):\n" + "\n".join(
                 paired_line(label, s) for label, s in summaries.items()) + "\n"
     return text, out
 
