@@ -245,5 +245,5 @@ def test_gain_report_pairs_every_row_with_trace_and_tabulates_training_seeds(mak
                                                      1: "Single Capability GRPO (cap1)"}
     assert seeds["base"]["per_seed"][0]["vs_base"] is None
     md = (tmp_path / "out" / "planted_gain.md").read_text()
-    assert "| approach | paired vs TRACE (points) |" in md and "## Training seeds" in md and "backbone.seed" in md
+    assert "| approach | paired vs TRACE (points) |" in md and "## Training seeds" in md and "backbone.planted.init_seed" in md
     assert "| trace | 75.0 / +37.5 [+0.0, " in md and "| +18.8 (26.5, +0.0 to +37.5) |" in md
