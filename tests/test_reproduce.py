@@ -79,6 +79,14 @@ def test_scale_embedded_maps_target_and_backbone_and_shares_identical_rows():
     assert len(jobs_of(p)) == len({tuple(r.overrides) for r in p.runnable}) < len(p.runnable)
 
 
+def test_a_users_experiment_preset_brings_its_own_world():
+    p = plan(load_spec(find_spec("table4")), ["experiment=micro"])  # not the spec's tau2 on Qwen3-30B-A3B
+    assert len(p.runnable) == 10
+    for row in p.runnable:
+        assert not any(o.startswith(("benchmark=", "backbone=")) for o in row.overrides)
+        assert row.cfg.backbone.name == "micro" and row.cfg.benchmark.kind == "micro"
+
+
 def test_user_overrides_win_and_hydra_overrides_go_to_the_launcher():
     assert merge_overrides(["a=1", "backbone=x", "+c.d=2"], ["backbone=y", "c.d=3"]) == ["a=1", "backbone=y", "c.d=3"]
     p = plan(load_spec(find_spec("table4")), ["scale=embedded", "grpo.lr=0.5", "hydra/launcher=joblib"])

@@ -313,9 +313,12 @@ def plan(spec: Spec, user_overrides: Sequence[str] = (), log_rows: bool = False)
         targets = dict(base_cfg.scale.targets)
         rows: list[PlannedRow] = []
         composed_by: dict[tuple[str, ...], Any] = {}
+        # a user's own experiment preset (experiment=micro) is a world of its own: its target and backbone are the
+        # rows', not the spec's (which would override the preset's)
+        own_world = choice(user, "experiment") not in (None, spec.experiment)
         for row in spec.rows:
-            target = targets.get(spec.target, spec.target) if spec.target else None
-            backbone = base_cfg.scale.backbone or row.backbone
+            target = targets.get(spec.target, spec.target) if spec.target and not own_world else None
+            backbone = None if own_world else base_cfg.scale.backbone or row.backbone
             own = [*([f"benchmark={target}"] if target else []), *([f"backbone={backbone}"] if backbone else []),
                    *row.overrides, f"stages=[{','.join(spec.stages)}]"]
             if not log_rows:
