@@ -126,7 +126,7 @@ def test_merges_write_a_peft_adapter_with_the_summed_budget(make_cfg, tmp_path, 
     ctx = _ctx(make_cfg, tmp_path, strategy, tmp_path / "compose")
     result = STRATEGIES[strategy].consolidate(ctx, adapters)
     assert result.kind == "adapter" and result.budget == Budget(7, 70, 2)
-    write_consolidated(ctx.work_dir, STRATEGIES[strategy], result)
+    write_consolidated(ctx.work_dir, STRATEGIES[strategy], result, ctx.cfg)
     merged = read_lora_adapter(ctx.work_dir / result.subdir)
     assert set(merged) == set(read_lora_adapter(adapters["cap0"].path / "adapter"))
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(ctx.work_dir / result.subdir))
@@ -142,7 +142,8 @@ def test_a_merge_over_one_adapter_is_that_adapter_and_says_so(make_cfg, tmp_path
     only = _adapter_artifact(cache, base, "a0", 4, ["q_proj"], episodes=2)
     compose = cache.get_or_compute("compose", "k", lambda work: write_consolidated(
         work, STRATEGIES["merge_ties"], STRATEGIES["merge_ties"].consolidate(
-            SimpleNamespace(cfg=make_cfg("consolidation=merge_ties"), work_dir=work, seed=0), {"cap0": only})))
+            SimpleNamespace(cfg=make_cfg("consolidation=merge_ties"), work_dir=work, seed=0), {"cap0": only}),
+        make_cfg("consolidation=merge_ties")))
     row = read_consolidated(compose)
     assert row.policy.weights.path == only.path and row.policy.subdir == "adapter"
     assert row.notes == ("one capability adapter (cap0): the merge is that adapter, unchanged",)

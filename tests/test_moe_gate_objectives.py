@@ -192,6 +192,8 @@ def test_ce_lb_keeps_tracess_compose_key_and_the_others_read_their_settings(make
     assert {"consolidation.gate.grpo", "consolidation.gate.soft_target", "grpo.groups"} <= set(compose_reads(grpo_soft))
     assert len({key(soft), key(grpo_soft), key(cfg)}) == 3
     assert STRATEGIES["moe"].stage_inputs(grpo_soft) == ("synthesize",)
+    labels = [STRATEGIES["moe"].row_label(c) for c in (cfg, soft, grpo_soft)]  # a sweep's rows stay apart
+    assert labels == ["TRACE", "TRACE (soft-target gate)", "TRACE (GRPO gate)"]
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -250,7 +250,7 @@ def train_report(art: Artifact, ctx: StageContext) -> None:
 def compose_stage(ctx: StageContext) -> None:
     """The configured consolidation strategy over the capability adapters (paper Table 4)."""
     strategy = STRATEGIES[ctx.cfg.consolidation.method]
-    write_consolidated(ctx.work_dir, strategy, strategy.consolidate(ctx, adapters_of(ctx.inputs["train"])))
+    write_consolidated(ctx.work_dir, strategy, strategy.consolidate(ctx, adapters_of(ctx.inputs["train"])), ctx.cfg)
 
 
 def compose_report(art: Artifact, ctx: StageContext) -> None:

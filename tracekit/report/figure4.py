@@ -62,7 +62,7 @@ def top_k_composition(ctx, adapters: dict[str, Artifact]):
                        "adapters": {c: a.content_key for c, a in sorted(adapters.items())}}, length=20)
 
     def compute(work) -> None:
-        write_consolidated(work, strategy, strategy.consolidate(dataclasses.replace(ctx, work_dir=work), adapters))
+        write_consolidated(work, strategy, strategy.consolidate(dataclasses.replace(ctx, work_dir=work), adapters), ctx.cfg)
 
     t0 = time.time()
     art = ctx.cache.get_or_compute("compositions", key, compute, meta={"capabilities": sorted(adapters)})

@@ -41,6 +41,10 @@ class Strategy(ABC):
         """Config values its result depends on, beyond consolidation.method/budget, backbone and seed."""
         return ()
 
+    def row_label(self, cfg: DictConfig) -> str:
+        """Its row's label under ``cfg`` (a variant of the strategy names itself: jobs of a sweep stay apart)."""
+        return self.label
+
     def stage_inputs(self, cfg: DictConfig) -> tuple[str, ...]:
         """The pipeline stages it reads beyond ``train`` under ``cfg`` (default: :attr:`inputs`)."""
         return self.inputs
@@ -64,9 +68,9 @@ def adapters_budget(adapters: dict[str, Artifact]) -> Budget:
     return budget_sum(grpo_budget(a) for a in adapters.values())
 
 
-def write_consolidated(work_dir, strategy: Strategy, result: Consolidated) -> None:
+def write_consolidated(work_dir, strategy: Strategy, result: Consolidated, cfg: DictConfig) -> None:
     atomic_write_json(work_dir / CONSOLIDATED, {
-        "strategy": strategy.name, "label": strategy.label, "kind": result.kind, "subdir": result.subdir,
+        "strategy": strategy.name, "label": strategy.row_label(cfg), "kind": result.kind, "subdir": result.subdir,
         "weights": result.weights.ref() if result.weights else None, "budget": result.budget.to_dict(),
         "notes": list(result.notes)})
 

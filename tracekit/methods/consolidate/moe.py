@@ -32,6 +32,9 @@ from tracekit.runs import ready_capabilities
 from tracekit.wiring import backbone_dict, device, dtype
 
 
+GATE_LABELS = {"soft_target": "soft-target", "grpo": "GRPO"}  # the rows of gates trained otherwise than ce_lb
+
+
 def gate_objective(cfg) -> str:
     """``consolidation.gate.objective``; ce_lb where the compose stage's view masks it (it reads it only otherwise)."""
     node: Any = cfg
@@ -54,6 +57,11 @@ def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
 class LoRAMoE(Strategy):
     name = "moe"
     label = "TRACE"
+
+    def row_label(self, cfg) -> str:
+        """TRACE under the paper's gate; a gate trained otherwise says so (``TRACE (soft-target gate)``)."""
+        objective = gate_objective(cfg)
+        return self.label if objective == "ce_lb" else f"TRACE ({GATE_LABELS[objective]} gate)"
 
     def reads(self, cfg):
         objective = gate_objective(cfg)
