@@ -4,8 +4,10 @@ For each capability of ``backbone.planted``, the warm-started base policy is rol
 sampling) on ``seeds`` validation instances of the capability's own library environment; the group statistics are
 :mod:`tracekit.synthesis.calibrate`'s (success rate, mean reward, informative groups, pass@k). The bands:
 
-- a *planted* (weak) capability: success rate in [0.2, 0.6] and at least half of the groups informative, the
-  official calibration gate's bands (a GRPO run on it starts with reward variance to learn from);
+- a *planted* (weak) capability: the official calibration gate (:class:`~tracekit.synthesis.calibrate.OfficialAcceptance`,
+  ``synthesis.acceptance=official``'s rule, at group size ``k``): mean reward and success rate in [0.2, 0.6], reward
+  std >= 0.05, all-success and all-zero groups <= 20% each, informative groups >= 50% (a GRPO run on it starts with
+  reward variance to learn from);
 - a *strong* capability: success rate >= 0.8.
 
 :func:`band_problems` names every capability outside its band with the rates measured; ``--check`` makes that a
@@ -31,14 +33,13 @@ from tracekit.llm.backbones import get_spec, load_backbone
 from tracekit.llm.hf import HFChatClient
 from tracekit.planted.warmstart import PlantedSpec, planted_key
 from tracekit.rollout import read_trajectories, run_rollouts
-from tracekit.synthesis.calibrate import group_stats
+from tracekit.synthesis.calibrate import (AcceptanceFigures, OfficialAcceptance, acceptance_figures,
+                                          acceptance_problems, group_stats)
 from tracekit.synthesis.library_target import LibraryTargetSuite
 from tracekit.wiring import backbone_dict
 
 log = logging.getLogger(__name__)
 
-WEAK_BAND = (0.2, 0.6)
-MIN_INFORMATIVE = 0.5
 STRONG_FLOOR = 0.8
 
 
@@ -61,7 +62,8 @@ def measure_bands(backbone: dict[str, Any], seeds: int = 16, k: int = 8, device:
         for t in read_trajectories(run_dir):
             table.setdefault(t.task_id, []).append((t.reward, t.success))
         stats = group_stats(table).model_dump()
-        out[cap] = {"role": "weak" if cap in planted.weak else "strong", "env": env, **stats}
+        official = acceptance_figures(table, OfficialAcceptance(group_size=k)).model_dump()
+        out[cap] = {"role": "weak" if cap in planted.weak else "strong", "env": env, **stats, "official": official}
         suite.close()
     return out
 
@@ -72,13 +74,14 @@ def planted_key_of(spec: Any) -> str:
 
 def band_problems(bands: dict[str, Any]) -> list[str]:
     """One phrase per capability outside its band, with the rates measured (empty: every band reached)."""
-    lo, hi = WEAK_BAND
     bad = []
     for cap, b in bands.items():
-        rate, info = b["success_rate"], b["informative_rate"]
-        if b["role"] == "weak" and not (lo <= rate <= hi and info >= MIN_INFORMATIVE):
-            bad.append(f"planted {cap}: success {rate:.2f} (band [{lo}, {hi}]), informative groups {info:.2f} "
-                       f"(>= {MIN_INFORMATIVE})")
+        if b["role"] == "weak":  # the official gate's rule, at the group size measured
+            fig = AcceptanceFigures(**b["official"])
+            missed = acceptance_problems(fig, OfficialAcceptance(group_size=fig.group_size))
+            if missed:
+                bad.append(f"planted {cap}: {'; '.join(missed)}")
+        rate = b["success_rate"]
         if b["role"] == "strong" and rate < STRONG_FLOOR:
             bad.append(f"strong {cap}: success {rate:.2f} (>= {STRONG_FLOOR})")
     return bad
