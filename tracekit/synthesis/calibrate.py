@@ -80,11 +80,11 @@ class CalibrationTargets:
     pass_ks: tuple[int, ...] = (1, 4, 8, 16)
 
 
-class CalibrationStats(BaseModel):
+class RewardFigures(BaseModel):
+    """The group figures calibration and the official gate both report on an environment's reward groups."""
+
     n_groups: int
     n_rollouts: int
-    group_size_min: int
-    group_size_max: int
     mean_reward: float
     std_reward: float
     success_rate: float
@@ -92,6 +92,11 @@ class CalibrationStats(BaseModel):
     all_success_rate: float
     all_zero_rate: float
     pass_at_k: dict[int, float] = Field(default_factory=dict)
+
+
+class CalibrationStats(RewardFigures):
+    group_size_min: int
+    group_size_max: int
 
 
 def group_stats(table: Mapping[Any, Sequence[Any]], targets: CalibrationTargets = CalibrationTargets()) -> CalibrationStats:
@@ -287,21 +292,12 @@ class OfficialAcceptance:
                 raise ValueError(f"acceptance {name} must be in [0, 1], got {getattr(self, name)}")
 
 
-class AcceptanceFigures(BaseModel):
+class AcceptanceFigures(RewardFigures):
     """What the official gate measures on one environment (group rates over the groups of at least G samples)."""
 
     group_size: int
-    n_groups: int
-    n_rollouts: int
     full_groups: int
     median_group_size: float
-    mean_reward: float
-    std_reward: float
-    success_rate: float
-    informative_rate: float
-    all_success_rate: float
-    all_zero_rate: float
-    pass_at_k: dict[int, float] = Field(default_factory=dict)
 
 
 def reward_std(rewards: Sequence[float]) -> float:
