@@ -1,5 +1,6 @@
 """The README's and docs/ARCHITECTURE.md's lists of methods, consolidation strategies and targets are the
-registries' keys, and ARCHITECTURE's layer list is `.importlinter`'s layers contract.
+registries' keys, ARCHITECTURE's layer list is `.importlinter`'s layers contract, and its package layout names every
+package and module of tracekit/.
 
 A list is a marked block: ``<!-- registry: NAME -->`` ... ``<!-- /registry -->``; each bullet (``- `name` ...:``)
 or table row (first cell) names its entries in backticks. A registry entry that no list names fails here."""
@@ -96,3 +97,40 @@ def test_architecture_layer_list_is_the_contract():
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"(?m)^\d+\. `([^`]+)`", section)
     assert listed == _layers_of_contract()
+
+
+def _layout_entries() -> tuple[str, dict[str, str]]:
+    """ARCHITECTURE's package layout block, and each package's entry in it (``  name/`` at two spaces, plus its
+    deeper-indented continuation lines)."""
+    section = ARCHITECTURE.read_text().split("## Package layout", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        if m := re.match(r"  (\w+)/\s", line + " "):
+            current = m.group(1)
+            entries[current] = line
+        elif current and line.startswith("   "):
+            entries[current] += "\n" + line
+        else:
+            current = None
+    return block, entries
+
+
+def test_architecture_layout_names_every_package_and_module():
+    """Every top-level module of tracekit/ (``name.py``), every package (``name/``) and, in its package's entry, every
+    module below it (by name), so the layout stays the tree."""
+    package = ROOT / "tracekit"
+    block, entries = _layout_entries()
+    missing = [f"{p.name}" for p in sorted(package.glob("*.py"))
+               if p.name != "__init__.py" and not re.search(rf"(?<![\w.]){re.escape(p.name)}", block)]
+    for folder in sorted(d for d in package.iterdir() if (d / "__init__.py").is_file()):
+        if folder.name not in entries:
+            missing.append(f"{folder.name}/")
+            continue
+        for module in sorted(folder.rglob("*.py")):
+            if "__pycache__" in module.parts or module.stem in ("__init__", "__main__"):
+                continue
+            if not re.search(rf"(?<![\w.]){re.escape(module.stem)}\b", entries[folder.name]):
+                missing.append(str(module.relative_to(package)))
+    assert not missing, f"docs/ARCHITECTURE.md's package layout does not name: {missing}"
