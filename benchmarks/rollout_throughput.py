@@ -571,11 +571,12 @@ def gold_section(args) -> dict[str, Any]:
     interleaved (ABBA) over ``--repeats``; the pool's start (worker processes building their suites) is timed
     apart from its rollouts. Every arm must give the same trajectories."""
     from tracekit.agents import GoldAgent
+    from benchmarks.rollout_throughput import gold_suite as factory  # by its module's name: this file may be __main__
     from tracekit.envs.pool import EnvPool, PooledSuite, SuiteSpec
     from tracekit.rollout import read_trajectories, run_rollouts
 
     n = args.gold_workers
-    spec = SuiteSpec("benchmarks.rollout_throughput:gold_suite", (args.gold,), preload=("tracekit.envs.tau2",))
+    spec = SuiteSpec(factory, (args.gold,), preload=("tracekit.envs.tau2",))
     suite = gold_suite(args.gold)
     arms = ["serial", f"pool{n}"]
     times: dict[str, list[float]] = {a: [] for a in arms}

@@ -36,7 +36,7 @@ def test_pooled_stub_episodes_equal_serial_ones_in_the_same_order(tmp_path):
     context overflow, a refusal): the same trajectories, in the same file order, for evaluation and training."""
     suite = StubSuite(KINDS)
     serial = _evaluate(suite, tmp_path / "serial")
-    with EnvPool(SuiteSpec("tests.test_env_pool:stub_suite", (KINDS,)), 2) as pool:
+    with EnvPool(SuiteSpec(stub_suite, (KINDS,)), 2) as pool:
         pooled_suite = PooledSuite(suite, pool)
         got = _evaluate(pooled_suite, tmp_path / "pooled")
         specs = [EpisodeSpec(t, 7, 0, g) for g, t in enumerate(suite.tasks())]
@@ -75,7 +75,7 @@ def test_tau2_mini_with_the_tiny_model_is_identical_with_and_without_workers(mak
 def test_real_tau2_retail_gold_agent_is_identical_with_and_without_workers(tmp_path):
     from tracekit.agents import GoldAgent
 
-    spec = SuiteSpec("tests.test_env_pool:tau2_retail", (4,))
+    spec = SuiteSpec(tau2_retail, (4,))
     suite = spec.build()
     got = {}
     for workers in (0, 2):
@@ -171,7 +171,7 @@ def test_a_dead_worker_ends_only_its_episodes_which_run_again_and_none_is_record
     once = str(tmp_path / "died")
     suite = DyingSuite(6, once)
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16, return_tokens=True)
-    with EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (6, once)), 2) as pool:
+    with EnvPool(SuiteSpec(dying_suite, (6, once)), 2) as pool:
         first = pool.workers[0]
         s = run_rollouts(PooledSuite(suite, pool), agent, tmp_path / "out", max_steps=5, batch_size=4, progress=False)
         assert first.dead is not None and pool.workers[0] is not first and pool.workers[0].proc.is_alive()
@@ -193,7 +193,7 @@ def test_an_episode_whose_worker_keeps_dying_stops_the_run_naming_the_task(tmp_p
     from tracekit.episodes import InfraFailure
 
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16)
-    with EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (3,)), 2) as pool:
+    with EnvPool(SuiteSpec(dying_suite, (3,)), 2) as pool:
         with pytest.raises(InfraFailure) as e:
             run_rollouts(PooledSuite(DyingSuite(3), pool), agent, tmp_path, max_steps=5, batch_size=4, progress=False,
                          infra_retries=1)
@@ -228,7 +228,7 @@ def test_a_hung_worker_is_killed_and_its_episodes_run_again(tmp_path):
     t0 = time.monotonic()
     # 10 s: a healthy worker answers a stub step in milliseconds, but on a loaded machine a short timeout could take
     # a slow healthy reply for a hang (the test waits this long once, for the hung worker)
-    with EnvPool(SuiteSpec("tests.test_env_pool:hanging_suite", (6, once)), 2, reply_timeout=10.0) as pool:
+    with EnvPool(SuiteSpec(hanging_suite, (6, once)), 2, reply_timeout=10.0) as pool:
         first = pool.workers[0]
         s = run_rollouts(PooledSuite(HangingSuite(6, once), pool), agent, tmp_path / "out", max_steps=5,
                          batch_size=4, progress=False)
@@ -247,7 +247,7 @@ def test_reply_timeout_is_checked_and_validated(make_cfg):
     from tracekit.validate import validate
 
     with pytest.raises(ValueError, match="reply_timeout must be > 0"):
-        EnvPool(SuiteSpec("tests.test_env_pool:dying_suite", (1,)), 1, reply_timeout=0)
+        EnvPool(SuiteSpec(dying_suite, (1,)), 1, reply_timeout=0)
     with pytest.raises(ConfigError, match=r"rollout\.env_reply_timeout_s=-1\.0 is invalid: must be > 0"):
         validate(make_cfg("rollout.env_reply_timeout_s=-1.0"))
     validate(make_cfg("rollout.env_reply_timeout_s=null"))  # no timeout: wait as long as it takes
@@ -257,15 +257,20 @@ def test_messages_over_the_pipe_buffer_do_not_deadlock(tmp_path):
     from tracekit.agents import LLMAgent
 
     agent = LLMAgent(StubClient(), temperature=0.0, max_new_tokens=16)
-    with EnvPool(SuiteSpec("tests.test_env_pool:big_suite", (8,)), 2) as pool:
+    with EnvPool(SuiteSpec(big_suite, (8,)), 2) as pool:
         s = run_rollouts(PooledSuite(BigSuite(8), pool), agent, tmp_path, max_steps=5, batch_size=8, progress=False)
     assert s.errors == 0 and s.ran == 8
     assert all(len(t.info["blob"]) == 300_000 for t in read_trajectories(tmp_path))
 
 
+def unbuildable_suite() -> EnvSuite:
+    raise ValueError("no suite today")
+
+
 def test_a_suite_that_cannot_be_built_refuses_the_pool():
-    with pytest.raises(RuntimeError, match="could not build its suite"):
-        EnvPool(SuiteSpec("tests.test_env_pool:no_such_factory"), 1)
+    with pytest.raises(RuntimeError, match=r"could not build its suite \(tests.test_env_pool:unbuildable_suite\)"
+                                           r"(.|\n)*no suite today"):
+        EnvPool(SuiteSpec(unbuildable_suite), 1)
 
 
 # -- sizing and config -------------------------------------------------------------------------------------------
@@ -429,7 +434,7 @@ def test_steps_run_in_parallel_and_scoring_overlaps_the_decode(tmp_path):
         return time.perf_counter() - t0
 
     serial = run(SlowSuite(6), tmp_path / "serial")
-    with EnvPool(SuiteSpec("tests.test_env_pool:slow_suite", (6,)), 3) as pool:
+    with EnvPool(SuiteSpec(slow_suite, (6,)), 3) as pool:
         pooled_s = run(PooledSuite(SlowSuite(6), pool), tmp_path / "pooled")
     print(f"serial {serial:.2f} s, pooled {pooled_s:.2f} s")
     # the sleeps alone take 7.5 s serially and about 3.3 s pooled (4.2 s saved: 8.5 s vs 4.9 s measured at load 6 on

@@ -165,7 +165,7 @@ def suite_spec(cfg: DictConfig, split: str | None = None) -> SuiteSpec | None:
             plain_cfg[k] = plain(cfg[k])
         except Exception:  # noqa: BLE001
             continue
-    return SuiteSpec("tracekit.wiring:suite_from_config", (plain_cfg, split), preload=("tracekit.wiring",))
+    return SuiteSpec(suite_from_config, (plain_cfg, split))  # the forkserver preloads the factory's module
 
 
 def env_workers(cfg: DictConfig) -> Any:

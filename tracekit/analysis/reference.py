@@ -61,7 +61,7 @@ from typing import Any
 
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.labeling import LabelingResult, labeling_report
-from tracekit.synthesis.library import LIBRARY_NAMES, library_env
+from tracekit.synthesis.library import family_environments, library_env
 from tracekit.types import Capability, Label, LabelValue, Message, Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def tau2_gold(domains: Iterable[str] = ("airline", "retail")) -> dict[tuple[str,
 
 
 def _library_tau2_envs() -> tuple[str, ...]:
-    return tuple(n for n in LIBRARY_NAMES if n.startswith("tau2_"))
+    return family_environments("tau2")  # the library's tau^2 family (each entry declares its family)
 
 
 def library_gold(env: str, difficulty: int, seed: int) -> GoldSpec:

@@ -31,7 +31,6 @@ seeded episodes give the same trajectories, rewards and token ids with and witho
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -69,20 +68,26 @@ def cpu_count() -> int:
 
 @dataclass(frozen=True)
 class SuiteSpec:
-    """How a worker builds its suite: ``factory`` (``"module:attr"``) called with ``args``/``kwargs``, all
-    picklable (plain data: no clients, no models, no open servers)."""
+    """How a worker builds its suite: ``factory(*args, **kwargs)``, all picklable (plain data: no clients, no
+    models, no open servers).
 
-    factory: str
+    The worker entry point is the ``factory`` function itself, a module-level function of the caller's choosing
+    (``tracekit.wiring.suite_from_config``, an env Factory's function in ``tracekit.rl.launch``): the caller holds
+    it through a real import, where the import contract sees the edge, and it crosses to the worker process as
+    pickle sends a function, by its module and name (the worker imports that module: the forkserver already has, as
+    a preload). The pool itself imports nothing by name."""
+
+    factory: Callable[..., EnvSuite]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     preload: tuple[str, ...] = ()  # modules the forkserver imports once, before it forks workers (tau^2: ~10 s)
 
+    @property
+    def factory_name(self) -> str:
+        return f"{self.factory.__module__}:{self.factory.__qualname__}"
+
     def build(self) -> EnvSuite:
-        mod, _, attr = self.factory.partition(":")
-        obj: Any = importlib.import_module(mod)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        return obj(*self.args, **self.kwargs)
+        return self.factory(*self.args, **self.kwargs)
 
 
 class WorkerDied(InfraError):
@@ -342,7 +347,7 @@ class EnvPool:
 
         if getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", 1) is None:  # not started yet
             # heavy imports paid once in the forkserver: every worker (and every restart) forks with them loaded
-            self._ctx.set_forkserver_preload(list(dict.fromkeys([spec.factory.partition(":")[0], *spec.preload])))
+            self._ctx.set_forkserver_preload(list(dict.fromkeys([spec.factory.__module__, *spec.preload])))
         self._tmp = tempfile.mkdtemp(prefix="tracekit-envpool-")
         self._next_key = 0
         self._restarts = [0] * workers
@@ -368,7 +373,7 @@ class EnvPool:
         except _Dead as e:
             raise RuntimeError(f"env pool could not start: {e}") from None
         if msg[0] == "failed":
-            raise RuntimeError(f"env worker {w.slot} could not build its suite ({self.spec.factory}):\n{msg[1]}")
+            raise RuntimeError(f"env worker {w.slot} could not build its suite ({self.spec.factory_name}):\n{msg[1]}")
         return msg[1]
 
     # ---- lifecycle

@@ -409,26 +409,48 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-# Backbone sources built by other packages (a spec field -> "module:function" giving the saved model folder,
-# ``(spec, device, cache_dir) -> Path``), imported on first use so llm/ does not import them; a package adds its
-# own with :func:`register_backbone_source`.
-BACKBONE_SOURCES: dict[str, str | Callable[[BackboneSpec, str, str | Path | None], Path]] = {
-    "planted": "tracekit.planted.warmstart:planted_dir",  # backbone.planted: the planted warm start
-}
+# Backbone sources built by other packages: a spec field -> the builder of the specs that set it,
+# ``(spec, device, cache_dir) -> Path`` (the saved model folder). The package that owns a source registers its
+# builder when it is imported (:func:`register_backbone_source`; ``backbone.planted``: the planted warm start), so
+# llm/ imports no package above it and names none: the edge is a real import, from the owner down to this module.
+# A process that loads such a backbone imports the owner first (the app does, through ``tracekit.validate``); a
+# process started from one that did carries the owners' module names over (:func:`backbone_source_modules`, read
+# from the registered builders themselves, as pickle names a function) and imports them again
+# (:func:`import_backbone_sources`: ``tracekit.rl.launch``'s training subprocess).
+BackboneBuilder = Callable[[BackboneSpec, str, str | Path | None], Path]
+BACKBONE_SOURCES: dict[str, BackboneBuilder] = {}
 
 
-def register_backbone_source(field: str, build: str | Callable[[BackboneSpec, str, str | Path | None], Path]) -> None:
-    """Build specs whose ``field`` is set with ``build`` (a function or its ``"module:function"`` path)."""
+def register_backbone_source(field: str, build: BackboneBuilder) -> None:
+    """Build the specs whose ``field`` is set with ``build`` (called by the module that owns the source, on import)."""
+    if not callable(build):
+        raise TypeError(f"backbone source {field!r}: the builder must be a function, got {build!r}")
     BACKBONE_SOURCES[field] = build
 
 
-def backbone_source(field: str) -> Callable[[BackboneSpec, str, str | Path | None], Path]:
-    """The registered builder of a spec field's backbones (a ``"module:function"`` entry imported now)."""
-    build = BACKBONE_SOURCES[field]
-    if isinstance(build, str):
-        module, name = build.split(":")
-        build = getattr(importlib.import_module(module), name)
+def backbone_source(field: str, backbone: str | None = None) -> BackboneBuilder:
+    """The registered builder of the backbones whose spec sets ``field`` (a LookupError, one line, when none is)."""
+    build = BACKBONE_SOURCES.get(field)
+    if build is None:
+        raise LookupError(
+            f"backbone {backbone or '?'}: backbone.{field} is set but no {field!r} backbone source is registered in "
+            f"this process: import the module that owns backbone.{field} first (it registers its builder on import "
+            f"with tracekit.llm.backbones.register_backbone_source({field!r}, ...)); registered: "
+            f"{', '.join(sorted(BACKBONE_SOURCES)) or 'none'}")
     return build
+
+
+def backbone_source_modules() -> list[str]:
+    """The modules of the registered builders (the owners that registered them), for a process started from this
+    one to import again (:func:`import_backbone_sources`)."""
+    return list(dict.fromkeys(build.__module__ for build in BACKBONE_SOURCES.values()))
+
+
+def import_backbone_sources(modules: list[str] | tuple[str, ...]) -> None:
+    """Import the owners ``modules`` (:func:`backbone_source_modules` of the parent process): each registers its
+    source on import."""
+    for name in modules:
+        importlib.import_module(name)
 
 
 def load_backbone(
@@ -453,7 +475,7 @@ def load_backbone(
     spec = get_spec(spec)
     torch_dtype = resolve_dtype(dtype, spec.dtype, device)
     if spec.planted:  # the base backbone after the planted warm start (SFT once, merged, cached as a folder)
-        path = backbone_source("planted")(spec, str(device), cache_dir) / "model"
+        path = backbone_source("planted", spec.name)(spec, str(device), cache_dir) / "model"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         tokenizer.chat_template = TEMPLATES[spec.chat_format]

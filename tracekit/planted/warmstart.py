@@ -37,7 +37,8 @@ from typing import Any
 
 from tracekit.agents import GoldAgent
 from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
-from tracekit.llm.backbones import _gguf_key, build_model_from_arch, cache_root, cached_folder, get_spec, load_backbone
+from tracekit.llm.backbones import (_gguf_key, build_model_from_arch, cache_root, cached_folder, get_spec, load_backbone,
+                                     register_backbone_source)
 from tracekit.llm.hf import padding_id
 from tracekit.llm.templates import TEMPLATES
 from tracekit.llm.tools import render_prompt, tool_call_id
@@ -46,7 +47,7 @@ from tracekit.methods.adp_data import assistant_turns
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.sft import SFTSettings, train_sft
 from tracekit.rl.tokens import build_rows
-from tracekit.synthesis.library import LIBRARY_NAMES, library_env
+from tracekit.synthesis.library import family_environments, library_env
 from tracekit.synthesis.library_target import LibraryTargetSuite
 from tracekit.types import Message, ToolCall, stable_hash
 
@@ -62,8 +63,7 @@ FAMILY = "tau2"  # the library environments the testbed plants deficits in (the 
 
 def library_capabilities(family: str = FAMILY) -> dict[str, str]:
     """{capability: library environment} of the built-in environments of ``family`` (no import of the envs)."""
-    prefix = f"{family}_"
-    return {n[len(prefix):]: n for n in LIBRARY_NAMES if n.startswith(prefix)}
+    return {n.removeprefix(f"{family}_"): n for n in family_environments(family)}
 
 
 @dataclass
@@ -394,6 +394,12 @@ def planted_dir(backbone: Any, device: str = "cpu", cache_dir: str | Path | None
     base = dataclasses.replace(backbone, planted=None)
     final = cache_root(cache_dir) / "planted" / f"{backbone.name}-{planted_key(spec, base)}"
     return cached_folder(final, lambda tmp: build_planted(spec, base, tmp, device, cache_dir))
+
+
+# backbone.planted's source: load_backbone builds a spec with ``planted`` set with planted_dir. Registered here, on
+# import (the hook of tracekit.llm.backbones), so the edge is this module's real import of llm, never a name of this
+# module written in llm/.
+register_backbone_source("planted", planted_dir)
 
 
 def build_planted(spec: PlantedSpec, base: Any, out: Path, device: str = "cpu",

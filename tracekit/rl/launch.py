@@ -33,6 +33,7 @@ import torch
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.envs.pool import REPLY_TIMEOUT_S, SuiteSpec, pooled
 from tracekit.episodes import INFRA_RETRIES
+from tracekit.llm.backbones import backbone_source_modules, import_backbone_sources
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.llm.hf import HFChatClient
 from tracekit.ports import free_port
@@ -51,15 +52,18 @@ class Factory:
     target: str  # "package.module:function"
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def build(self) -> Any:
+    def function(self) -> Callable[..., Any]:
+        """The factory's function (imported now)."""
         mod, _, fn = self.target.partition(":")
         if not fn:
             raise ValueError(f"factory {self.target!r} must be 'module:function'")
         try:
-            obj = getattr(importlib.import_module(mod), fn)
+            return getattr(importlib.import_module(mod), fn)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"factory {self.target!r} cannot be imported: {e}") from e
-        return obj(**self.kwargs)
+
+    def build(self) -> Any:
+        return self.function()(**self.kwargs)
 
 
 @dataclass
@@ -75,6 +79,9 @@ class TrainSpec:
     env_workers: Any = 0  # rollout.env_workers: the env Factory's suite stepped in worker processes (tracekit.envs.pool)
     env_reply_timeout: float | None = REPLY_TIMEOUT_S  # rollout.env_reply_timeout_s: a silent worker is killed
     env_infra_retries: int = INFRA_RETRIES  # rollout.infra_retries: an episode's runs again after an infra failure
+    # the modules that registered backbone sources in the process that made the spec (a planted backbone's builder:
+    # llm.backbones' hook), imported again by a training subprocess before it builds the model
+    backbone_sources: list[str] = field(default_factory=backbone_source_modules)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +98,7 @@ class TrainSpec:
             env_workers=d.get("env_workers", 0),
             env_reply_timeout=d.get("env_reply_timeout", REPLY_TIMEOUT_S),
             env_infra_retries=d.get("env_infra_retries", INFRA_RETRIES),
+            backbone_sources=list(d.get("backbone_sources", [])),
         )
 
 
@@ -227,7 +235,7 @@ def run_training(
     model, tokenizer = spec.model.build()
     suite = spec.env.build()
     # GRPO rollouts go through the episode core (tracekit.rl.episodes.run_episodes): a pooled suite steps there too
-    with pooled(suite, SuiteSpec(spec.env.target, kwargs=dict(spec.env.kwargs)), spec.env_workers,
+    with pooled(suite, SuiteSpec(spec.env.function(), kwargs=dict(spec.env.kwargs)), spec.env_workers,
                 share=dist.world, reply_timeout=spec.env_reply_timeout) as stepped:
         trainer = GRPOTrainer(
             model, tokenizer, stepped, spec.grpo, spec.out_dir, chat_format=spec.chat_format, engine_factory=factory,
@@ -339,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = TrainSpec.from_json(read_json(args.spec))
+    import_backbone_sources(spec.backbone_sources)  # the parent's backbone sources, registered here too
     if args.local:
         run_training(spec)
         return

@@ -28,10 +28,10 @@ from tracekit.envs.base import EnvSuite
 from tracekit.llm.base import ChatClient, ChatRequest, EndpointError
 from tracekit.synthesis.calibrate import (CalibrationReport, CalibrationTargets, RolloutFn, calibrate_difficulty,
                                           distance, write_calibration)
-from tracekit.synthesis.library import LIBRARY_NAMES, library_env, library_source
+from tracekit.synthesis.library import LIBRARY_NAMES, family_environments, library_env, library_source
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxError, SandboxLimits
 from tracekit.synthesis.suite import SyntheticSuite
-from tracekit.synthesis.targets import target_policy, target_tools
+from tracekit.synthesis.targets import target_family, target_policy, target_tools
 from tracekit.synthesis.validate import ValidationConfig, ValidationReport, validate_source, write_report
 from tracekit.types import Capability, Message, stable_hash
 
@@ -124,8 +124,7 @@ class GenerationResult(BaseModel):
 
 def pick_example(capability: str, target: str) -> str:
     """A library env to show: the same capability on the same target family if present, else the same family."""
-    family = "tau2" if target.startswith("tau2") else target
-    same = [n for n in LIBRARY_NAMES if n.startswith(family)]
+    same = family_environments(target_family(target))
     exact = [n for n in same if library_env(n).capability == capability]
     if exact or same:
         return (exact or same)[0]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,36 +20,77 @@ from tracekit.coding.interface import GENERIC_POLICY, TOOLS
 from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT, toolsandbox_tools
 from tracekit.synthesis.micro_interface import MICRO_POLICY, micro_tools
 
-TAU2_TARGETS = ("tau2_airline", "tau2_retail")
-TARGETS = (*TAU2_TARGETS, "toolsandbox", "coding", "micro")  # coding: tracekit/coding/suite.py (bash, submit)
 
-@functools.lru_cache(maxsize=None)
-def _tau2_toolkit(target: str):
-    # Imported lazily: tau2 costs ~1 s to import (pandas via deepdiff).
-    if target == "tau2_airline":
-        from tau2.domains.airline.data_model import FlightDB
-        from tau2.domains.airline.tools import AirlineTools
+@dataclass(frozen=True)
+class TargetInterface:
+    """One target's interface to synthesized environments: the library family its environments belong to, and
+    how to get its tool schemas and its policy (functions: tau^2's are read from the installed benchmark only
+    when asked for, since tau2 costs ~1 s to import: pandas via deepdiff)."""
 
-        return AirlineTools(FlightDB(flights={}, users={}, reservations={}))
-    if target == "tau2_retail":
-        from tau2.domains.retail.data_model import RetailDB
-        from tau2.domains.retail.tools import RetailTools
+    family: str  # the capability library family (synthesis/library: ``LIBRARY`` entries' ``family``)
+    tools: Callable[[], dict[str, dict[str, Any]]]  # name -> OpenAI function schema
+    policy: Callable[[], str]  # the full policy / system prompt
 
-        return RetailTools(RetailDB(products={}, users={}, orders={}))
-    raise ValueError(f"not a tau2 target: {target}")
+
+def _schemas(toolkit: Any) -> dict[str, dict[str, Any]]:
+    return {name: tool.openai_schema for name, tool in toolkit.get_tools().items()}
+
+
+def _airline_tools() -> dict[str, dict[str, Any]]:
+    from tau2.domains.airline.data_model import FlightDB
+    from tau2.domains.airline.tools import AirlineTools
+
+    return _schemas(AirlineTools(FlightDB(flights={}, users={}, reservations={})))
+
+
+def _retail_tools() -> dict[str, dict[str, Any]]:
+    from tau2.domains.retail.data_model import RetailDB
+    from tau2.domains.retail.tools import RetailTools
+
+    return _schemas(RetailTools(RetailDB(products={}, users={}, orders={})))
+
+
+def _airline_policy() -> str:
+    from tau2.domains.airline.utils import AIRLINE_POLICY_PATH
+
+    return Path(AIRLINE_POLICY_PATH).read_text(encoding="utf-8")
+
+
+def _retail_policy() -> str:
+    from tau2.domains.retail.utils import RETAIL_POLICY_PATH
+
+    return Path(RETAIL_POLICY_PATH).read_text(encoding="utf-8")
+
+
+INTERFACES: dict[str, TargetInterface] = {
+    "tau2_airline": TargetInterface("tau2", _airline_tools, _airline_policy),
+    "tau2_retail": TargetInterface("tau2", _retail_tools, _retail_policy),
+    "toolsandbox": TargetInterface("toolsandbox", toolsandbox_tools, lambda: TOOLSANDBOX_SYSTEM_PROMPT),
+    # issue 20: the coding target's agent interface (tracekit/coding/suite.py: bash, submit)
+    "coding": TargetInterface("coding", lambda: {t["function"]["name"]: t for t in TOOLS}, lambda: GENERIC_POLICY),
+    "micro": TargetInterface("micro", micro_tools, lambda: MICRO_POLICY),  # issue 42: the micro world (find, read, write)
+}
+TARGETS = tuple(INTERFACES)
+TAU2_TARGETS = tuple(t for t, i in INTERFACES.items() if i.family == "tau2")
+
+
+def interface(target: str) -> TargetInterface:
+    """The table's entry of ``target`` (a ValueError names the known ones)."""
+    try:
+        return INTERFACES[target]
+    except KeyError:
+        raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}") from None
+
+
+def target_family(target: str) -> str:
+    """The capability library family of ``target``'s environments (a name not in the table is its own family)."""
+    entry = INTERFACES.get(target)
+    return entry.family if entry is not None else target
 
 
 @functools.lru_cache(maxsize=None)
 def _target_tools(target: str) -> dict[str, dict[str, Any]]:
-    if target in TAU2_TARGETS:
-        return {name: tool.openai_schema for name, tool in _tau2_toolkit(target).get_tools().items()}
-    if target == "toolsandbox":
-        return toolsandbox_tools()
-    if target == "coding":  # issue 20: the coding target's agent interface
-        return {t["function"]["name"]: t for t in TOOLS}
-    if target == "micro":  # issue 42: the micro world (find, read, write)
-        return micro_tools()
-    raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+    return interface(target).tools()
 
 
 def target_tools(target: str) -> dict[str, dict[str, Any]]:
@@ -66,19 +109,7 @@ def tool_schemas(target: str, names: list[str]) -> list[dict[str, Any]]:
 
 def target_policy(target: str) -> str:
     """The target's full policy / system prompt."""
-    if target in TAU2_TARGETS:
-        from tau2.domains.airline.utils import AIRLINE_POLICY_PATH
-        from tau2.domains.retail.utils import RETAIL_POLICY_PATH
-
-        path = AIRLINE_POLICY_PATH if target == "tau2_airline" else RETAIL_POLICY_PATH
-        return Path(path).read_text(encoding="utf-8")
-    if target == "toolsandbox":
-        return TOOLSANDBOX_SYSTEM_PROMPT
-    if target == "coding":
-        return GENERIC_POLICY
-    if target == "micro":
-        return MICRO_POLICY
-    raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+    return interface(target).policy()
 
 
 def schema_mismatch(schema: dict[str, Any], reference: dict[str, Any], path: str = "") -> str | None:
