@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = get_spec(backbone_dict(cfg))
     model, tokenizer = load_backbone(spec, "cpu", None, None)
     folder = planted_dir(spec, "cpu") / "model"
-    suite = LibraryTargetSuite("bench", list(cfg.benchmark.envs), n_per_env=a.tasks, extra_envs=COMBOS)
+    suite = LibraryTargetSuite("bench", list(cfg.benchmark.micro.envs), n_per_env=a.tasks, extra_envs=COMBOS)
     tasks = suite.tasks()
     prompts = []
     for t in tasks:

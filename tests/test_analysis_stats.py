@@ -177,7 +177,7 @@ def test_bad_tables_raise_clear_errors():
         select([lab("t", "a", 0, "L", True), lab("t", "a", 1, "L", False)], caps("a"), Thresholds(k=1, n=2))
     with pytest.raises(ValueError, match="duplicate"):
         select(table("a", 0, "P", "L") * 2, caps("a"), Thresholds(k=1, n=1))
-    with pytest.raises(ValueError, match="k <= n"):
+    with pytest.raises(ValueError, match=r"^thresholds\.k=11 is invalid: must be in \[1, thresholds\.n=10\]$"):
         Thresholds(k=11, n=10)
     with pytest.raises(ValueError, match="rho"):
         Thresholds(rho=1.5)

@@ -153,7 +153,7 @@ def test_synthetic_training_tasks_use_the_training_seeds_never_the_held_out_ones
     train = open_target_train(train_suite_spec(cfg, n_per_env=3))
     held_out = {t.id for t in build_suite(cfg).tasks()}
     ids = [t.id for t in train.tasks()]
-    assert len(ids) == 3 * len(cfg.benchmark.envs) and not set(ids) & held_out
+    assert len(ids) == 3 * len(cfg.benchmark.synthetic.envs) and not set(ids) & held_out
     assert all(int(i.rsplit("seed-", 1)[1]) >= TRAIN_SEED_OFFSET for i in ids)
 
 

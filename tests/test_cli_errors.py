@@ -19,7 +19,8 @@ from tests import procs
 from tests.openai_stub import StubOpenAIServer
 from tracekit.artifacts import COMPLETE
 from tracekit.config import ConfigError
-from tracekit.validate import _stage_names, needed_endpoints, probe_endpoints
+from tracekit.schema import stage_names
+from tracekit.validate import needed_endpoints, probe_endpoints
 
 
 def _cli(*args: str, root: Path, **env: str) -> subprocess.CompletedProcess:
@@ -118,10 +119,10 @@ def test_summary_records_the_run_status(make_cfg, tmp_path):
 
 def test_needed_endpoints(make_cfg):
     # offline: reference roles and a scripted user; only GEPA's reflection LM is an endpoint (in process: llm=local)
-    assert {stage: needed_endpoints(make_cfg(), stage) for stage in _stage_names()} == {
-        **{stage: [] for stage in _stage_names()}, "gepa": ["analysis"], "figure4": ["analysis"]}
+    assert {stage: needed_endpoints(make_cfg(), stage) for stage in stage_names()} == {
+        **{stage: [] for stage in stage_names()}, "gepa": ["analysis"], "figure4": ["analysis"]}
     cfg = make_cfg("llm=openai", "analysis=llm", "user=llm", "synthesis=generate")
-    assert {stage: needed_endpoints(cfg, stage) for stage in _stage_names()} == {
+    assert {stage: needed_endpoints(cfg, stage) for stage in stage_names()} == {
         "rollout": ["user"], "discover": ["analysis"], "label": ["analysis"], "select": [],
         "synthesize": ["generation"], "train": [], "compose": [], "evaluate": ["user"],
         "grpo_target": ["user"], "gepa": ["user", "analysis"], "figure4": ["user", "analysis"],  # figure4: gepa + grpo_target

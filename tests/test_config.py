@@ -12,7 +12,8 @@ from typing import get_args, get_origin, get_type_hints
 import pytest
 
 from tests import procs
-from tracekit.config import Config, ConfigError
+from tracekit.config import ConfigError
+from tracekit.schema import config_schema
 from tracekit.validate import CHOICES, RANGES, validate
 
 GROUPS = ["benchmark", "backbone", "agent", "thresholds", "analysis", "synthesis", "grpo", "moe",
@@ -144,7 +145,7 @@ FREE_TEXT = {"benchmark.name", "benchmark.task_ids", "backbone.name", "backbone.
 
 
 def test_every_numeric_field_has_a_range_and_every_string_a_choice_list():
-    leaves = dict(_schema_leaves(Config))
+    leaves = dict(_schema_leaves(config_schema()))
     numeric = {p for p, hint in leaves.items() if _scalar_types(hint) & {int, float}}
     strings = {p for p, hint in leaves.items() if str in _scalar_types(hint)}
     assert numeric == set(RANGES)

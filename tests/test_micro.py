@@ -146,8 +146,8 @@ def test_a_world_whose_episodes_do_not_fit_the_context_is_refused(make_cfg):
     from tracekit.validate import validate
 
     with pytest.raises(ConfigError, match=r"eval.context_budget=256 is invalid: must be >= \d+: the gold episode of "
-                                          r"micro_\S+ \(benchmark.difficulty=1\) is \d+ tokens of the micro tokenizer"):
-        validate(make_cfg("experiment=micro", "benchmark.difficulty=1", "eval.context_budget=256"))
+                                          r"micro_\S+ \(difficulty 1\) is \d+ tokens of the micro tokenizer"):
+        validate(make_cfg("experiment=micro", "benchmark.micro.difficulty=1", "eval.context_budget=256"))
 
 
 def test_weak_demonstrations_per_capability():

@@ -41,7 +41,8 @@ def test_bad_planted_set_is_one_config_error_before_any_work(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from tracekit.cli import CONF_DIR
-    from tracekit.config import ConfigError, register_configs
+    from tracekit.config import ConfigError
+    from tracekit.schema import register_configs
     from tracekit.validate import validate
 
     register_configs()

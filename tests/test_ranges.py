@@ -3,17 +3,22 @@ config validator both read them, with the same one-line message; the gate's knob
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
+from tracekit.analysis.select import Thresholds
+from tracekit.analysis.settings import AnalysisSettings
 from tracekit.config import ConfigError, MoeConfig
 from tracekit.moe.gate import GateTrainConfig
-from tracekit.ranges import check_value, in_range
+from tracekit.ranges import check_value, field_hints, in_range
 from tracekit.rl.distill import DistillSettings
-from tracekit.rl.settings import GRPOSettings
+from tracekit.rl.settings import GRPOSettings, LauncherSettings
 from tracekit.rl.sft import SFTSettings
-from tracekit.validate import RANGES, validate
+from tracekit.synthesis.settings import SynthesisConfig
+from tracekit.validate import CHOICES, RANGES, validate
 
 
 @pytest.mark.parametrize("x,rule,ok", [
@@ -66,3 +71,47 @@ def test_the_moe_group_is_the_gate_trainers_knobs_plus_routing():
     moe = {f.name: f.default for f in fields(MoeConfig)}
     assert gate.items() <= moe.items()  # one name and one default per knob
     assert not {"pad_id", "seed"} & moe.keys()  # runtime values (the tokenizer's, the stage's seed), not knobs
+
+
+# owners declare, validate walks (issue 38): each settings class declares its choices beside its ranges
+
+
+@pytest.mark.parametrize("settings,group,field,value", [
+    (Thresholds, "thresholds", "undefined_er_pos", "never"), (AnalysisSettings, "analysis", "labeler", "oracle"),
+    (SynthesisConfig, "synthesis", "source", "web"), (LauncherSettings, "launcher", "kind", "slurm"),
+    (GRPOSettings, "grpo", "checkpoint_policy", "none"), (SFTSettings, "consolidation.sft", "dtype", "int8"),
+])  # fmt: skip
+def test_class_and_config_give_the_same_line_for_a_choice(make_cfg, settings, group, field, value):
+    with pytest.raises(ValueError) as by_class:
+        settings(**{field: value})
+    with pytest.raises(ConfigError) as by_config:
+        validate(make_cfg(f"{group}.{field}={value}"))
+    options = ", ".join(settings.CHOICES[field])
+    assert str(by_config.value) == f"{group}.{field}={value!r} is invalid: must be one of {options}"
+    assert str(by_class.value).endswith(f".{field}={value!r} is invalid: must be one of {options}")
+
+
+def test_validate_holds_no_table_and_names_no_target():
+    """Its rules are the owners' (walked from the schema); it imports no target module's names."""
+    source = (Path(__file__).parent.parent / "tracekit" / "validate.py").read_text()
+    assert "RANGES, CHOICES = declared(config_schema())" in source
+    assert not re.search(r'^\s+"[\w.*]+": ("|\(|\w+,)', source, re.M), "a literal rule table in validate.py"
+    assert not re.search(r"^from tracekit\.targets\.\w+ import", source, re.M)
+    assert not re.search(r"^from tracekit\.coding", source, re.M)
+
+
+def test_every_rule_is_declared_by_the_class_of_its_group():
+    """Each collected rule is found on the class the schema gives its group (no rule without an owner)."""
+    owners = {"thresholds": Thresholds, "analysis": AnalysisSettings, "synthesis": SynthesisConfig, "launcher": LauncherSettings}
+    for key in [*RANGES, *CHOICES]:
+        group, _, name = key.partition(".")
+        if group in owners:
+            cls = owners[group]
+            assert name in {**cls.RANGES, **getattr(cls, "CHOICES", {})}, key
+
+
+def test_thresholds_are_their_own_schema_in_one_hop():
+    """thresholds.delta: YAML -> the Thresholds schema -> select() (no copy between them)."""
+    from tracekit.schema import config_schema
+
+    assert dict(field_hints(config_schema()))["thresholds"] is Thresholds

@@ -224,7 +224,7 @@ def _reproduce_cli(tmp_path: Path, spec: Path, out: Path, **popen) -> subprocess
 def test_a_killed_table_run_rerun_reuses_the_completed_row(tmp_path):
     rows = [{"label": "Base", "method": "base", "overrides": ["benchmark.limit=1"], "paper": {"overall": 32.9}},
             {"label": "Base, 2 tasks", "method": "base", "overrides": ["benchmark.limit=2"], "paper": {"overall": 32.9}}]
-    spec = _spec(tmp_path, overrides=["benchmark.envs=[tau2_tool_calling_precision]"],
+    spec = _spec(tmp_path, overrides=["benchmark.synthetic.envs=[tau2_tool_calling_precision]"],
                  blocks=[{"backbone": "tiny", "rows": rows}])
     first = tmp_path / "first"
     proc = _reproduce_cli(tmp_path, spec, first, start_new_session=True)

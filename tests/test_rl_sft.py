@@ -208,7 +208,7 @@ def test_settings_are_checked_with_one_line_errors():
         SFTSettings(lr=0)
     with pytest.raises(ValueError, match=r"sft\.batch_size=0 is invalid"):
         SFTSettings(batch_size=0)
-    with pytest.raises(ValueError, match=r"sft\.schedule='cosine' is invalid: must be linear or constant"):
+    with pytest.raises(ValueError, match=r"sft\.schedule='cosine' is invalid: must be one of linear, constant"):
         SFTSettings(schedule="cosine")
     assert SFTSettings().lr == 2e-5 and SFTSettings().lora.rank == 32
     assert SFTSettings(lora={"rank": 8, "alpha": 16}).lora.rank == 8

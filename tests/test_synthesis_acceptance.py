@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from tracekit.artifacts import Artifact, atomic_write_json
 from tracekit.config import ConfigError
 from tracekit.pipeline import StageContext, read_view
 from tracekit.stages import build_pipeline
+from tracekit.synthesis.agent import default_checks
 from tracekit.synthesis.calibrate import (OfficialAcceptance, accept, acceptance_figures, acceptance_problems,
                                           all_success_rate, all_zero_rate, informative_rate, mean_pass_at_k,
                                           pass_at_k, reward_std)
@@ -112,7 +114,8 @@ def test_the_rule_refuses_impossible_settings(kwargs, message):
 
 
 def test_synthesize_records_the_figures_and_skips_a_refused_package(tmp_path):
-    settings = SynthesisSettings(validation=ValidationConfig(n_seeds=8), acceptance=OfficialAcceptance(group_size=4))
+    settings = SynthesisSettings(checks=replace(default_checks(), validation=ValidationConfig(n_seeds=8)),
+                                 acceptance=OfficialAcceptance(group_size=4))
     seen = []
 
     def rollout_fn(suite, seeds, k):

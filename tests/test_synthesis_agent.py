@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
 from tracekit.synthesis.agent import (
+    EnvChecks,
     GenerationAgentConfig,
     GenerationSpec,
     build_prompt,
+    default_checks,
     extract_code,
     fill,
     generate_environment,
     pick_example,
 )
+from tracekit.synthesis.calibrate import CalibrationTargets
 from tracekit.synthesis.sandbox import SandboxLimits
 from tracekit.synthesis.targets import target_tools
 from tracekit.synthesis.validate import ValidationConfig
@@ -26,8 +30,9 @@ VALID = (Path(__file__).parent / "data" / "synthesis" / "valid_env.py").read_tex
 BROKEN = VALID.replace("# HOOK:module", "def broken(:")
 CAP = Capability(name="permission_error_recovery",
                  description="Recover from a PermissionError caused by a device setting instead of giving up.")
-FAST = GenerationAgentConfig(max_repair_rounds=2, max_mutation_rounds=2, validation=ValidationConfig(n_seeds=50),
-                   limits=SandboxLimits(wall_seconds=20, memory_bytes=1 << 30), calibration_seeds=4, calibration_k=4)
+FAST = GenerationAgentConfig(max_repair_rounds=2, max_mutation_rounds=2)
+CHECKS = EnvChecks(validation=ValidationConfig(n_seeds=50), limits=SandboxLimits(wall_seconds=20, memory_bytes=1 << 30),
+                   targets=CalibrationTargets(), calibration_seeds=4, calibration_k=4)
 
 
 def fenced(code: str, before: str = "Here is the module.") -> str:
@@ -77,7 +82,7 @@ def test_prompt_is_filled_from_the_versioned_template():
 
 def test_valid_module_is_accepted_in_one_round(tmp_path):
     client = ScriptedClient([fenced(VALID)])
-    result = generate_environment(client, spec(), tmp_path, FAST)
+    result = generate_environment(client, spec(), tmp_path, FAST, checks=CHECKS)
     assert result.status == "accepted" and len(result.rounds) == 1 and result.rounds[0].passed
     assert (tmp_path / "env.py").read_text() == VALID
     assert json.loads((tmp_path / "validation.json").read_text())["passed"] is True
@@ -87,7 +92,7 @@ def test_valid_module_is_accepted_in_one_round(tmp_path):
 
 def test_broken_module_is_repaired(tmp_path):
     client = ScriptedClient([fenced(BROKEN), fenced(VALID)])
-    result = generate_environment(client, spec(), tmp_path, FAST)
+    result = generate_environment(client, spec(), tmp_path, FAST, checks=CHECKS)
     assert result.status == "accepted"
     assert [r.kind for r in result.rounds] == ["initial", "repair"]
     assert not result.rounds[0].passed and "SyntaxError" in result.rounds[0].reason
@@ -98,7 +103,7 @@ def test_broken_module_is_repaired(tmp_path):
 
 def test_model_that_never_writes_a_module_fails_cleanly(tmp_path):
     client = ScriptedClient(["I am a small model."] * 3)
-    result = generate_environment(client, spec(), tmp_path, FAST)
+    result = generate_environment(client, spec(), tmp_path, FAST, checks=CHECKS)
     assert result.status == "failed" and len(result.rounds) == 3
     assert result.reason.startswith("no valid module after 3 round(s)")
     assert not (tmp_path / "env.py").exists()
@@ -110,7 +115,7 @@ def test_endpoint_error_is_a_clean_failure(tmp_path):
         def chat(self, requests):
             raise EndpointError("connection refused")
 
-    result = generate_environment(Down(), spec(), tmp_path, FAST)
+    result = generate_environment(Down(), spec(), tmp_path, FAST, checks=CHECKS)
     assert result.status == "failed" and result.reason == "generation endpoint failed: connection refused"
 
 
@@ -125,7 +130,7 @@ def test_too_easy_environment_gets_a_mutation_round(tmp_path):
             return {z: [1.0] * k for z in seeds}
         return {z: [1.0, 0.0, 0.0, 1.0][:k] for z in seeds}
 
-    result = generate_environment(client, spec(), tmp_path, FAST, rollout_fn=rollout_fn)
+    result = generate_environment(client, spec(), tmp_path, FAST, rollout_fn=rollout_fn, checks=CHECKS)
     assert result.status == "accepted" and result.calibrated is True
     assert [r.kind for r in result.rounds] == ["initial", "mutation"]
     assert [r.calibration for r in result.rounds] == ["too_easy", "ok"]
@@ -143,8 +148,8 @@ def test_generation_loop_against_the_stub_openai_server(tmp_path):
     # first run: the server returns a fixed valid module; second run: a broken one, then the repair
     with StubOpenAIServer(responses=[fenced(VALID), fenced(BROKEN), fenced(VALID)]) as srv:
         client = OpenAIChatClient(base_url=srv.url, model="stub-model", max_retries=0)
-        first = generate_environment(client, spec(), tmp_path / "first", FAST)
-        second = generate_environment(client, spec(), tmp_path / "second", FAST)
+        first = generate_environment(client, spec(), tmp_path / "first", FAST, checks=CHECKS)
+        second = generate_environment(client, spec(), tmp_path / "second", FAST, checks=CHECKS)
         bodies = srv.chat_requests
     assert first.status == "accepted" and len(first.rounds) == 1
     assert second.status == "accepted" and [r.passed for r in second.rounds] == [False, True]
@@ -161,7 +166,7 @@ def test_endpoint_refusal_is_a_clean_failure(tmp_path):
 
     with StubOpenAIServer(responses=[Reply(status=400, error="prompt is longer than the context")]) as srv:
         client = OpenAIChatClient(base_url=srv.url, model="stub-model", max_retries=0)
-        result = generate_environment(client, spec(), tmp_path, FAST)
+        result = generate_environment(client, spec(), tmp_path, FAST, checks=CHECKS)
     assert result.status == "failed" and "prompt is longer than the context" in result.reason
 
 
@@ -175,9 +180,9 @@ def test_offline_generation_with_the_bundled_model_ends_cleanly(tmp_path):
 
     model, tokenizer = load_backbone("smollm2_135m")
     client = HFChatClient(model, tokenizer, chat_format="smollm2", max_context_tokens=8192)
-    cfg = GenerationAgentConfig(max_repair_rounds=0, max_new_tokens=192, temperature=0.0,
-                      limits=SandboxLimits(wall_seconds=30, memory_bytes=1 << 30))
-    result = generate_environment(client, spec(), tmp_path, cfg)
+    cfg = GenerationAgentConfig(max_repair_rounds=0, max_new_tokens=192, temperature=0.0)
+    result = generate_environment(client, spec(), tmp_path, cfg,
+                                  checks=replace(default_checks(), limits=SandboxLimits(wall_seconds=30, memory_bytes=1 << 30)))
     assert json.loads((tmp_path / "generation.json").read_text())["status"] == result.status
     if result.status == "failed":
         assert result.reason and (tmp_path / "transcript.jsonl").exists()

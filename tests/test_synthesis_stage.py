@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tracekit.llm.base import ChatClient, ChatResponse
-from tracekit.synthesis.agent import GenerationAgentConfig
+from tracekit.synthesis.agent import default_checks
 from tracekit.synthesis.protocol import ground_truth_actions
 from tracekit.synthesis.sandbox import SandboxLimits
 from tracekit.synthesis.stage import SynthesisSettings, open_package, synthesize, trajectory_excerpt
@@ -36,7 +37,7 @@ def test_library_source_builds_ready_and_skipped_packages(tmp_path):
         {"name": "precondition_verification", "description": "check eligibility", "example_failed_trajectories": []},
         {"name": "sarcasm_detection", "description": "not a library capability"},
     ]
-    settings = SynthesisSettings(validation=ValidationConfig(n_seeds=20))
+    settings = SynthesisSettings(checks=replace(default_checks(), validation=ValidationConfig(n_seeds=20)))
     manifest = synthesize(selected, "tau2", tmp_path, settings)
     assert (manifest["ready"], manifest["skipped"]) == (1, 1)
     skipped = manifest["environments"][1]
@@ -59,7 +60,7 @@ def test_generate_source_writes_a_sandboxed_package(tmp_path):
         Message(role="tool", content="PermissionError: Wifi cannot be turned on in low battery mode", tool_call_id="a"),
         Message(role="assistant", content="Sorry, I can't.")])
     selected = [{"name": "permission_error_recovery", "description": "recover", "example_failed_trajectories": [failed.uid]}]
-    settings = SynthesisSettings(source="generate", agent=GenerationAgentConfig(limits=LIMITS))
+    settings = SynthesisSettings(source="generate", checks=replace(default_checks(), limits=LIMITS))
     manifest = synthesize(selected, "toolsandbox", tmp_path, settings, trajectories={failed.uid: failed}, client=Canned())
     assert manifest["ready"] == 1
     prompt = (tmp_path / "permission_error_recovery" / "transcript.jsonl").read_text()

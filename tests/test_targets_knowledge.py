@@ -44,7 +44,7 @@ def test_gepa_spreads_its_training_seeds_over_the_targets_environments(make_cfg)
     from tracekit.methods.gepa import OFFICIAL_TRAIN_SEEDS, training_spec
 
     mini = make_cfg("benchmark=tau2_mini")
-    n = len(mini.benchmark.envs)
+    n = len(mini.benchmark.synthetic.envs)
     assert target("synthetic").train_envs(mini) == n and target("tau2").train_envs(mini) == 1
     assert training_spec(mini)["n_per_env"] == -(-OFFICIAL_TRAIN_SEEDS // n)
 

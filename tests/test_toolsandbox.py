@@ -72,7 +72,7 @@ def test_toolsandbox_domains_and_split_are_checked(make_cfg, monkeypatch, tmp_pa
 
 def test_eval_benchmark_evaluates_on_another_target(make_cfg, monkeypatch, tmp_path):
     """Table 8: trained on one target, every policy rolled out on another (its contents in the evaluate key)."""
-    from tracekit.config import evaluation_config
+    from tracekit.targets import evaluation_config
     from tracekit.stages import build_pipeline
 
     cfg = make_cfg("benchmark=tau2_mini", "eval.benchmark=toolsandbox")

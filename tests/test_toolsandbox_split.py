@@ -1,4 +1,4 @@
-"""ToolSandbox's training split (``benchmark.train_split``, :mod:`tracekit.targets.toolsandbox`): ``heldout`` (a seeded
+"""ToolSandbox's training split (``benchmark.toolsandbox.train_split``, :mod:`tracekit.targets.toolsandbox`): ``heldout`` (a seeded
 category-stratified half of the base scenarios, never evaluated) and ``eval`` (the evaluated scenarios, the rows
 marked so); its checks before any work, its place in the cache keys, the planning of the paper's ToolSandbox rows
 (fast, from the committed scenario catalog); and GRPO on target end to end under both, on the real ToolSandbox
@@ -90,7 +90,8 @@ def test_heldout_never_trains_on_an_evaluated_scenario(make_cfg, venv_present):
 
     spec = train_suite_spec(cfg, limit=2)
     assert set(spec["scenarios"]) == train and spec["limit"] == 2 and "evaluated" not in spec
-    assert (spec["benchmark"]["train_split"], spec["benchmark"]["train_seed"]) == ("heldout", 0)
+    own = spec["benchmark"]["toolsandbox"]
+    assert (own["train_split"], own["train_seed"]) == ("heldout", 0)
     assert t.train_split_notes(spec) == () and "never evaluated" in t.train_split_label(spec)
 
 
@@ -98,12 +99,12 @@ def test_eval_trains_on_exactly_the_evaluated_scenarios_and_marks_the_rows(make_
     from tracekit.methods.target_train import train_suite_spec
 
     t = target("toolsandbox")
-    cfg = _ts(make_cfg, "benchmark.train_split=eval")
+    cfg = _ts(make_cfg, "benchmark.toolsandbox.train_split=eval")
     validate(cfg)
     assert t.training_scenarios(cfg) == t.evaluated_scenarios(cfg) == [r["name"] for r in catalog()]
     assert excluded_from_evaluation(cfg.benchmark) == []
     picked = ["get_cellular", "cellular_off"]
-    sub = _ts(make_cfg, "benchmark.train_split=eval", f"benchmark.task_ids=[{','.join(picked)}]")
+    sub = _ts(make_cfg, "benchmark.toolsandbox.train_split=eval", f"benchmark.task_ids=[{','.join(picked)}]")
     validate(sub)
     spec = train_suite_spec(sub, limit=None)
     assert sorted(spec["scenarios"]) == sorted(picked) and spec["evaluated"]["task_ids"] == picked
@@ -116,22 +117,24 @@ def test_the_split_name_and_seed_are_in_the_training_and_evaluation_keys(make_cf
     from tracekit.types import stable_hash
 
     pipe = build_pipeline()
-    cfgs = [_ts(make_cfg), _ts(make_cfg, "benchmark.train_seed=1"), _ts(make_cfg, "benchmark.train_split=eval")]
+    cfgs = [_ts(make_cfg), _ts(make_cfg, "benchmark.toolsandbox.train_seed=1"), _ts(make_cfg, "benchmark.toolsandbox.train_split=eval")]
     specs = [stable_hash(train_suite_spec(c, limit=2)) for c in cfgs]
     assert len(set(specs)) == 3  # what trains on the split (grpo_target's target_train spec, GEPA's reads)
     keys = [pipe.key(c, pipe.stages["rollout"], {}) for c in cfgs]
     assert len(set(keys)) == 3  # the evaluated scenarios depend on it too (heldout drops the training half)
-    assert "benchmark" in pipe.reads(cfgs[0], "grpo_target") and "benchmark" in pipe.reads(cfgs[0], "gepa")
-    # the other targets' training identities do not carry ToolSandbox's keys
-    bench = train_suite_spec(make_cfg("experiment=smoke"))["benchmark"]
-    assert not {"train_split", "train_seed", "train_domains"} & set(bench)
+    for stage in ("grpo_target", "gepa"):
+        assert "benchmark.toolsandbox" in pipe.reads(cfgs[0], stage)
+    # the other targets' keys and training identities do not carry ToolSandbox's settings (benchmark.<kind>)
+    smoke = make_cfg("experiment=smoke")
+    assert "toolsandbox" not in train_suite_spec(smoke)["benchmark"]
+    assert not any(r.startswith("benchmark.toolsandbox") for r in pipe.reads(smoke, "rollout"))
 
 
 @pytest.mark.parametrize("bad, says", [
-    ("benchmark.train_split=nope", "benchmark.train_split='nope' is invalid: must be one of heldout, eval"),
+    ("benchmark.toolsandbox.train_split=nope", "benchmark.toolsandbox.train_split='nope' is invalid: must be one of heldout, eval"),
     ("benchmark.limit=0", "benchmark.limit"),
-    ("benchmark.task_ids=[add_reminder_content_and_date_and_time_alt]", "training scenarios of benchmark.train_split=heldout"),
-    ("benchmark.train_domains=[base]", "benchmark.train_domains"),
+    ("benchmark.task_ids=[add_reminder_content_and_date_and_time_alt]", "training scenarios of benchmark.toolsandbox.train_split=heldout"),
+    ("benchmark.toolsandbox.train_domains=[base]", "benchmark.toolsandbox.train_domains"),
 ])
 def test_bad_split_settings_are_one_config_error_line(make_cfg, venv_present, bad, says):
     assert "add_reminder_content_and_date_and_time_alt" in heldout_train_scenarios(0)
@@ -154,7 +157,7 @@ def test_the_paper_target_is_the_full_129_only_under_eval(make_cfg):
     from tracekit.reproduce.paper import describe_target, target_cut
 
     full = ("benchmark=toolsandbox", "benchmark.limit=null")  # the embedded default cuts the scenarios
-    assert target_cut(make_cfg(*full, "benchmark.train_split=eval")) is None
+    assert target_cut(make_cfg(*full, "benchmark.toolsandbox.train_split=eval")) is None
     cfg = make_cfg(*full)
     assert target_cut(cfg) is not None
     assert "64 base scenarios held out for training (train_split=heldout, seed 0)" in describe_target(cfg.benchmark)
@@ -218,7 +221,7 @@ def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["heldout", "eval"])
 def test_grpo_on_target_runs_end_to_end_on_two_training_scenarios(tmp_path, split):
-    out = _cli(tmp_path, f"benchmark.train_split={split}")
+    out = _cli(tmp_path, f"benchmark.toolsandbox.train_split={split}")
     (art,) = (tmp_path / "cache" / "grpo_target").glob("*/grpo_target.json")
     r = json.loads(art.read_text())
     spec = r["train_suite"]

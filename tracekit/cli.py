@@ -33,7 +33,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tracekit.artifacts import StageCache, atomic_write_text, unwritable
-from tracekit.config import USER_ERRORS, ConfigError, interpolation_message, register_configs
+from tracekit.config import USER_ERRORS, ConfigError, interpolation_message
+from tracekit.schema import register_configs
 from tracekit.llm.backbones import cache_root
 from tracekit.pipeline import RunRecord
 from tracekit.report.logging import RunLogger, log_traceback_to_file

@@ -1,11 +1,13 @@
-"""Structured configs (types for every Hydra group), :class:`ConfigError` and the helpers that read a config
-without the registries: the pinned dictionary, the imported labeling runs, the evaluation target's config, an
-interpolation's message.
+"""The settings classes of the generic config groups (backbone, agent, user, grpo, moe, consolidation, llm, eval,
+rollout, logger, scale, paths), each declaring its rules (``RANGES`` / ``CHOICES``, :mod:`tracekit.ranges`);
+:class:`ConfigError`; and the helpers that read a config without the registries (the pinned dictionary, the imported
+labeling runs, an interpolation's message).
 
-Hydra composes ``conf/config.yaml`` over the ``Config`` schema registered here, so a typo'd key or a
-wrongly typed value fails at composition. The value checks (ranges, choices, cross-field rules, each target's and
-method's own) are :func:`tracekit.validate.validate`. Open groups are the schema's ``dict[str, Any]`` fields
-(``backbone.arch``, ``grpo.vllm``); ``llm.endpoints`` takes any name, each entry an :class:`EndpointConfig`.
+The groups other modules own live with them (``thresholds``: :class:`tracekit.analysis.select.Thresholds`;
+``analysis``, ``synthesis``: their packages' ``settings``; ``benchmark.<kind>``: each target; ``baselines.<name>``:
+each method), and :mod:`tracekit.schema` assembles the whole schema above the registries. Open groups are the
+schema's ``dict[str, Any]`` fields (``backbone.arch``, ``grpo.vllm``); ``llm.endpoints`` takes any name, each entry an
+:class:`EndpointConfig`.
 """
 
 from __future__ import annotations
@@ -13,21 +15,27 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.imported import import_runs, run_files
-from tracekit.analysis.select import Thresholds
 from tracekit.artifacts import CorruptArtifact
 from tracekit.envs.pool import REPLY_TIMEOUT_S
 from tracekit.episodes import INFRA_RETRIES
+from tracekit.llm.backbones import SOURCES as BACKBONE_SOURCE_KINDS
+from tracekit.llm.constrained import TOOL_CHOICES
+from tracekit.llm.decoding import PREFIX_CACHE_MIB
+from tracekit.llm.tools import CHAT_FORMATS
+from tracekit.merging.core_space import RANK_POLICIES
+from tracekit.merging.merges import MAJORITY_SIGNS
 from tracekit.moe.gate import GateTrainConfig
+from tracekit.moe.layer import MOE_IMPLS
+from tracekit.ranges import DTYPES, Choice
 from tracekit.rl.distill import DistillSettings
-from tracekit.rl.settings import GRPORecipe, GRPOSettings, LauncherSettings
+from tracekit.rl.settings import GRPORecipe, GRPOSettings
 from tracekit.rl.sft import SFTSettings
 
 
@@ -39,45 +47,27 @@ class ConfigError(ValueError):
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CorruptArtifact)
 
 
-@dataclass
-class CodingBenchmarkConfig:
-    package: str = "toolz"  # an installed pure-Python distribution that ships its tests
-    seed: int = 0  # the tasks' seed (bug choice, split); the benchmark does not move with the master seed
-    modifiers: list[str] = field(default_factory=list)  # swesmith modifier names; empty: all 13 Python ones
-    max_per_modifier: int = 3
-    max_candidates_per_modifier: int = 8
-    heldout_fraction: float = 0.5
-    test_wall_seconds: float = 60.0
-    test_cpu_seconds: int = 60
-    command_wall_seconds: float = 30.0  # the agent's bash tool, per command
-    command_cpu_seconds: int = 30
-    command_memory_mb: int = 2048
-    command_processes: int = 128
-    output_chars: int = 4000
-    model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
-    # kind=swebench
-    dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
-    repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
-    max_workers: int = 4  # the harness's parallel containers
+CONF = Path(__file__).resolve().parent.parent / "conf"
+# which GRPO trajectories a consumer trains on (the MoE gate, SFT on synthetic successes): the successful ones (the
+# paper) or all
+TRAJECTORY_SETS = ("successes", "all")
 
 
-@dataclass
-class BenchmarkConfig:
-    name: str = MISSING  # tau2_airline | tau2_retail | tau2 | tau2_mini | ...
-    kind: str = "tau2"  # adapter family: tau2 (the real benchmark) | synthetic (library environments' held-out seeds)
-    domains: list[str] = field(default_factory=list)
-    split: str = "test"  # train | test | base (tau2's split_tasks.json)
-    task_ids: list[str] | None = None  # explicit subset (ids as the benchmark names them)
-    limit: int | None = None  # first-n tasks per domain after split/subset
-    policy: str = "full"  # full: tau2's own policy text
-    max_errors: int = 10  # tau2: end the episode after this many error tool results
-    agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
-    envs: list[str] = field(default_factory=list)  # kind=synthetic: library environments (limit = seeds per env)
-    difficulty: int = 0  # kind=synthetic: the environments' difficulty level
-    train_domains: list[str] = field(default_factory=list)  # kind=toolsandbox: the variants learned in ([]: evaluated)
-    train_split: str | None = None  # kind=toolsandbox: heldout | eval (tracekit/targets/toolsandbox.py); None: heldout
-    train_seed: int | None = None  # kind=toolsandbox: the heldout split's seed (None: 0)
-    coding: CodingBenchmarkConfig = field(default_factory=CodingBenchmarkConfig)  # kind=coding|swebench (tracekit/coding/config.py: ranges, checks, suites)
+def conf_names(group: str) -> tuple[str, ...]:
+    """The names of a ``conf/<group>/`` folder's options."""
+    return tuple(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+
+
+def benchmark_names() -> tuple[str, ...]:  # eval.benchmark: a conf/benchmark name (evaluation elsewhere, Table 8)
+    return conf_names("benchmark")
+
+
+def backbone_names() -> tuple[str, ...]:
+    return conf_names("backbone")
+
+
+def scale_names() -> tuple[str, ...]:
+    return ("none", *conf_names("scale"))
 
 
 @dataclass
@@ -91,6 +81,10 @@ class BackboneConfig:
     arch: dict[str, Any] = field(default_factory=dict)  # architecture numbers (meta/random builds)
     planted: Any = None  # a planted warm start (a dict or None) (tracekit/planted/warmstart.py; experiment=planted)
 
+    CHOICES: ClassVar[dict[str, Choice]] = {
+        "source": BACKBONE_SOURCE_KINDS, "chat_format": CHAT_FORMATS, "dtype": (*DTYPES, "float16"),
+        "device": r"auto|cpu|mps|cuda(:\d+)?"}
+
 
 @dataclass
 class AgentConfig:
@@ -103,6 +97,10 @@ class AgentConfig:
     batch_size: int = 8
     prefix_cache_mib: float = 1024  # in-process models: K/V of prompt prefixes kept for reuse (0: off)
 
+    RANGES: ClassVar[dict[str, str]] = {"max_new_tokens": ">= 1", "top_p": "(0, 1]", "batch_size": ">= 1",
+                                        "prefix_cache_mib": PREFIX_CACHE_MIB}
+    CHOICES: ClassVar[dict[str, Choice]] = {"kind": ("llm", "gold"), "tool_choice": TOOL_CHOICES}
+
 
 @dataclass
 class UserConfig:
@@ -112,59 +110,8 @@ class UserConfig:
     temperature: float = 0.0  # tau2's default for the LLM user
     max_new_tokens: int = 512
 
-
-@dataclass
-class ThresholdsConfig(Thresholds):
-    """The selection's own dataclass (one schema: its checks run in validate()); the Literal typed as str for
-    OmegaConf."""
-
-    undefined_er_pos: str = "zero"  # no applicable success: ER+ := 0 (flagged) | unselectable
-
-
-@dataclass
-class AnalysisConfig:
-    discovery: str = "reference"  # reference (fixed tau2 dictionary) | llm | pinned
-    labeler: str = "reference"  # reference | llm | imported
-    dictionary_path: str | None = None  # for discovery=pinned
-    labels_from: str | None = None  # labeler=imported: a folder of the official TRACE labeling runs (run_NN.json)
-    endpoint: str = "analysis"
-    temperature: float = 0.7
-    capabilities_per_call: int = 10
-    max_retries: int = 2
-    on_missing: str = "skip"  # skip | fail
-    compact_chars: int = 6000
-    label_noise: float = 0.0  # reference labeler: seeded flip rate emulating annotator variance
-    examples_per_capability: int = 3
-    chunk_size: int = 16  # labeling requests per client call (concurrency + checkpoint unit)
-    show_outcome: bool = True  # tell the labeler whether the episode succeeded (the paper contrasts outcomes)
-    use_response_format: bool = True  # JSON schema to the endpoint (grammar-constrained on the hf client)
-    min_capabilities: int = 5
-    max_capabilities: int = 10
-    max_new_tokens: int = 1024
-
-
-@dataclass
-class SynthesisConfig:
-    source: str = "library"  # library | generate
-    endpoint: str = "generation"
-    repair_rounds: int = 3
-    mutation_rounds: int = 5
-    validation_seeds: int = 50
-    calibrate: bool = False
-    calibration_seeds: int = 4
-    calibration_k: int = 16
-    target_low: float = 0.2  # the band of mean reward and success rate (calibration's target, acceptance's gate)
-    target_high: float = 0.6
-    min_informative: float = 0.5
-    acceptance: str = "none"  # none | official: the official TRACE calibration gate on every ready environment
-    acceptance_group_size: int = 16  # official: G, the base policy's samples per validation seed
-    min_reward_std: float = 0.05  # official: the rewards' std at least this
-    max_all_success: float = 0.2  # official: groups in which every sample succeeds at most this share
-    max_all_zero: float = 0.2  # official: groups in which every reward is 0 at most this share
-    difficulty: int = 1
-    cpu_seconds: int = 30
-    wall_seconds: int = 60
-    memory_mb: int = 2048
+    RANGES: ClassVar[dict[str, str]] = {"max_turns": ">= 1", "temperature": "[0, 2]", "max_new_tokens": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"kind": ("scripted", "llm")}
 
 
 @dataclass
@@ -181,6 +128,8 @@ class GrpoConfig(GRPORecipe):
         recipe = {f.name: getattr(self, f.name) for f in fields(GRPORecipe)}  # RANGES is no field
         return GRPOSettings(**recipe, save_rollouts=save_rollouts)
 
+    CHOICES: ClassVar[dict[str, Choice]] = {**GRPORecipe.CHOICES, "engine": ("hf", "agent", "vllm")}
+
 
 @dataclass
 class MoeConfig(GateTrainConfig):
@@ -195,10 +144,17 @@ class MoeConfig(GateTrainConfig):
     gate_data: str = "successes"  # GRPO rollouts the gate trains on: successes (paper) | all
     trajectories_per_capability: int = 32
 
+    RANGES: ClassVar[dict[str, str]] = {**GateTrainConfig.RANGES, "top_k": ">= 1", "train_top_k": ">= 1",
+                                        "gate_init_std": ">= 0", "trajectories_per_capability": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"impl": MOE_IMPLS,
+                                            "gate_data": TRAJECTORY_SETS}
+
 
 @dataclass
 class ConsolidationBudgetConfig:
     episodes: int | None = None  # training episodes of strategies that train; None: the capability runs' summed
+
+    RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
 
 
 @dataclass
@@ -211,6 +167,9 @@ class MergeConfig:
     rank: int | None = None  # SVD rank of the merged adapter; None: the sum of the ranks
     lam: float = 1.0  # global scale of the merged update
 
+    RANGES: ClassVar[dict[str, str]] = {"weights": "[-10, 10]", "density": "(0, 1]", "rank": ">= 1", "lam": "> 0"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"majority_sign": MAJORITY_SIGNS}
+
 
 @dataclass
 class CoreTSVConfig:
@@ -222,12 +181,17 @@ class CoreTSVConfig:
     isotropize: bool = False
     rank_policy: str = "full"  # full (all T*r core directions) | truncate (top r, before isotropizing)
 
+    RANGES: ClassVar[dict[str, str]] = {"lam": "> 0", "density": "(0, 1]"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"majority_sign": MAJORITY_SIGNS, "rank_policy": RANK_POLICIES}
+
 
 @dataclass
 class SftConfig(SFTSettings):
     """sft_synthetic: the SFT recipe's settings, plus which GRPO trajectories it trains on."""
 
     data: str = "successes"  # successes (the paper) | all
+
+    CHOICES: ClassVar[dict[str, Choice]] = {**SFTSettings.CHOICES, "data": TRAJECTORY_SETS}
 
 
 @dataclass
@@ -237,6 +201,8 @@ class ArrowConfig:
     top_k: int = 3  # adapters kept per token (peft's default; capped at the number of adapters, noted)
     temperature: float = 1.0  # softmax temperature over the kept scores (peft's router_temperature)
 
+    RANGES: ClassVar[dict[str, str]] = {"top_k": ">= 1", "temperature": "> 0"}
+
 
 @dataclass
 class SoftTargetConfig:
@@ -244,6 +210,8 @@ class SoftTargetConfig:
 
     temperature: float = 0.1  # of the softmax over each environment's measured adapter rewards (in [0, 1])
     seeds: int = 16  # instances per environment each adapter is measured on (greedy, disjoint from training seeds)
+
+    RANGES: ClassVar[dict[str, str]] = {"temperature": "> 0", "seeds": ">= 1"}
 
 
 @dataclass
@@ -261,6 +229,11 @@ class GateGrpoConfig:
     updates: int = 2  # optimizer steps per iteration on its rollouts (the clip matters from the second)
     max_grad_norm: float = 1.0
 
+    RANGES: ClassVar[dict[str, str]] = {
+        "iterations": ">= 1", "groups": ">= 1", "group_size": ">= 1", "lr": "> 0", "clip_eps": "(0, 1)",
+        "temperature": "[0, 2]", "hint_fraction": "[0, 1]", "updates": ">= 1", "max_grad_norm": ">= 0"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"warm_start": ("ce_lb", "soft_target")}
+
 
 @dataclass
 class GateObjectiveConfig:
@@ -269,6 +242,8 @@ class GateObjectiveConfig:
     objective: str = "ce_lb"
     soft_target: SoftTargetConfig = field(default_factory=SoftTargetConfig)
     grpo: GateGrpoConfig = field(default_factory=GateGrpoConfig)
+
+    CHOICES: ClassVar[dict[str, Choice]] = {"objective": ("ce_lb", "soft_target", "grpo")}
 
 
 @dataclass
@@ -285,59 +260,6 @@ class ConsolidationConfig:
 
 
 @dataclass
-class GrpoTargetConfig:
-    """grpo_target: the ``grpo`` recipe on the target's own training tasks with the target's reward."""
-
-    episodes: int | None = None  # training episodes; None: TRACE's per-capability GRPO episodes summed (matched)
-    train_limit: int | None = None  # tau2: first n train-split tasks per domain (None: all); synthetic: instances per env (None: one per group)
-    checkpoint_iterations: int | None = None  # a kept checkpoint every n iterations (Figure 4b); None: grpo.iterations
-
-
-@dataclass
-class GepaConfig:
-    """gepa: the ``gepa`` package's optimize loop over the capabilities block of the system prompt."""
-
-    endpoint: str = "analysis"  # the reflection LM: a key of llm.endpoints
-    max_metric_calls: int | None = None  # target training episodes GEPA may roll out; None: TRACE's episodes (matched)
-    reflection_minibatch_size: int = 3  # gepa's default
-    valset_size: int | None = None  # training tasks held out for GEPA's Pareto tracking; None: auto (see methods/gepa.py)
-    train_limit: int | None = None  # target training tasks GEPA draws from (official: 200 seeds); None: all
-    candidate_selection: str = "pareto"  # pareto | current_best | epsilon_greedy | top_k_pareto (gepa's strategies)
-    module_selector: str = "round_robin"  # round_robin (one capability description per proposal) | all
-    use_merge: bool = False
-    reflection_temperature: float = 0.7  # official TRACE GEPA run
-    reflection_max_new_tokens: int = 1024
-
-
-@dataclass
-class UntargetedConfig:
-    """untargeted_synthetic: GRPO on every library environment of the target's family, uniformly (AWM-style control)."""
-
-    episodes: int | None = None  # None: TRACE's per-capability GRPO episodes summed (matched)
-    envs_dir: str | None = None  # a folder of environment packages (<dir>/<name>/env.json) to use instead
-
-
-@dataclass
-class AdpSftConfig(SFTSettings):
-    """adp_sft: the SFT recipe on Agent Data Protocol trajectories (official: QLoRA r 16, lr 1e-5, 1 epoch)."""
-
-    data: list[str] = field(default_factory=list)  # ADP standardized JSON/JSONL paths or hf://<owner>/<dataset>/<subset>
-    max_records: int | None = None  # first n well-formed trajectories over all sources (None: all)
-    max_tokens: int = 8192  # a training row longer than this is cut to its first max_tokens tokens
-
-
-@dataclass
-class BaselinesConfig:
-    """Settings of the external baselines of paper Tables 1-3 and Figure 4 (conf/baselines/paper.yaml)."""
-
-    grpo_target: GrpoTargetConfig = field(default_factory=GrpoTargetConfig)
-    gepa: GepaConfig = field(default_factory=GepaConfig)
-    untargeted_synthetic: UntargetedConfig = field(default_factory=UntargetedConfig)
-    adp_sft: AdpSftConfig = field(default_factory=AdpSftConfig)
-    swe_rl: GrpoTargetConfig = field(default_factory=GrpoTargetConfig)  # SWE-RL: grpo_target's settings, its own reward
-
-
-@dataclass
 class EndpointConfig:
     kind: str = "hf"  # hf (the configured backbone, in process) | openai
     base_url: str | None = None
@@ -346,6 +268,9 @@ class EndpointConfig:
     timeout_s: float = 60.0
     max_retries: int = 3
     concurrency: int = 8
+
+    RANGES: ClassVar[dict[str, str]] = {"timeout_s": "> 0", "max_retries": ">= 0", "concurrency": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"kind": ("hf", "openai")}
 
 
 @dataclass
@@ -363,6 +288,11 @@ class EvalConfig:
     context_budget: int = 32000
     benchmark: str | None = None  # a conf/benchmark name: evaluate every policy there (paper Table 8); None: the target
 
+    RANGES: ClassVar[dict[str, str]] = {"temperature": ">= 0", "seeds": ">= 0", "max_steps": ">= 1",
+                                        "context_budget": ">= 256"}
+    # eval.methods names the methods registry's entries: the schema assembled above it declares that choice
+    CHOICES: ClassVar[dict[str, Choice]] = {"mode": ("greedy", "stochastic"), "benchmark": benchmark_names}
+
 
 @dataclass
 class RolloutConfig:
@@ -376,6 +306,8 @@ class RolloutConfig:
     # holds does not depend on it
     infra_retries: int = INFRA_RETRIES
 
+    RANGES: ClassVar[dict[str, str]] = {"env_reply_timeout_s": "> 0", "infra_retries": ">= 0"}
+
 
 @dataclass
 class LoggerConfig:
@@ -383,6 +315,8 @@ class LoggerConfig:
     project: str = "tracekit"
     mode: str = "offline"
     entity: str | None = None
+
+    CHOICES: ClassVar[dict[str, Choice]] = {"kind": ("wandb", "none"), "mode": ("offline", "online", "disabled")}
 
 
 @dataclass
@@ -396,6 +330,8 @@ class ScaleConfig:
     backbone: str | None = None  # a table's blocks all run on this backbone (None: each block's own)
     targets: dict[str, str] = field(default_factory=dict)  # a table's target -> the benchmark it runs on here
 
+    CHOICES: ClassVar[dict[str, Choice]] = {"name": scale_names, "backbone": backbone_names}
+
 
 @dataclass
 class PathsConfig:
@@ -403,35 +339,6 @@ class PathsConfig:
     cache_dir: str = MISSING
     run_dir: str = MISSING
 
-
-@dataclass
-class Config:
-    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
-    backbone: BackboneConfig = field(default_factory=BackboneConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    user: UserConfig = field(default_factory=UserConfig)
-    thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
-    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
-    synthesis: SynthesisConfig = field(default_factory=SynthesisConfig)
-    grpo: GrpoConfig = field(default_factory=GrpoConfig)
-    moe: MoeConfig = field(default_factory=MoeConfig)
-    consolidation: ConsolidationConfig = field(default_factory=ConsolidationConfig)
-    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
-    llm: LlmConfig = field(default_factory=LlmConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    launcher: LauncherSettings = field(default_factory=LauncherSettings)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    experiment: Any = None
-    scale: ScaleConfig = field(default_factory=ScaleConfig)
-    stages: list[str] = field(default_factory=lambda: ["evaluate"])
-    seed: int = 42
-    name: str = "default"
-
-
-def register_configs() -> None:
-    ConfigStore.instance().store(name="tracekit_schema", node=Config)
 
 def _check(ok: bool, key: str, value: Any, valid: str) -> None:
     if not ok:
@@ -480,23 +387,6 @@ def eval_benchmark(cfg: DictConfig) -> str | None:
     """``eval.benchmark``; None when unset. Unset, it is not among the evaluate stage's reads (its keys stay as they
     were), so in that stage's read view it is MISSING: that reads as unset too."""
     return OmegaConf.select(cfg, "eval.benchmark", throw_on_missing=False)
-
-
-def evaluation_config(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with ``benchmark`` replaced by ``conf/benchmark/<eval.benchmark>.yaml`` (over the schema's defaults):
-    what every evaluation rollout runs on when ``eval.benchmark`` names another target; ``cfg`` itself otherwise.
-    An unknown name: ConfigError listing the known ones."""
-    name = eval_benchmark(cfg)
-    if name is None:
-        return cfg
-    folder = Path(__file__).resolve().parent.parent / "conf" / "benchmark"
-    path = folder / f"{name}.yaml"
-    _check(path.is_file(), "eval.benchmark", name, "a conf/benchmark name (" + ", ".join(
-        sorted(p.stem for p in folder.glob("*.yaml"))) + ")")
-    out = cfg.copy()
-    with open_dict(out):
-        out.benchmark = OmegaConf.merge(OmegaConf.structured(BenchmarkConfig), OmegaConf.load(path))
-    return out
 
 
 def interpolation_message(e: InterpolationResolutionError, cfg: DictConfig | None = None) -> str:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from tracekit.artifacts import Artifact, CorruptArtifact, atomic_write_json, read_json
-from tracekit.config import GrpoConfig, eval_benchmark, evaluation_config
+from tracekit.config import GrpoConfig, eval_benchmark
 from tracekit.envs.pool import pooled
 from tracekit.pipeline import StageContext
 from tracekit.policy import Policy
@@ -24,7 +24,7 @@ from tracekit.rl.launch import Factory, TrainSpec, train
 from tracekit.rl.settings import LauncherSettings
 from tracekit.synthesis.stage import MANIFEST
 from tracekit.rollout import TRAJECTORIES, is_infra_record, read_trajectories, run_rollouts
-from tracekit.targets import target_of
+from tracekit.targets import evaluation_config, target_of
 from tracekit.types import stable_hash
 from tracekit.wiring import (AGENT_ENGINE_READS, backbone_dict, build_agent, build_suite, device, dtype, engine_spec,
                              env_reply_timeout, env_workers, infra_retries, plain, rollout_reads, select, suite_spec,

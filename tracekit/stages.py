@@ -15,14 +15,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tracekit.analysis.compact import CompactConfig
-from tracekit.analysis.discovery import DiscoveryConfig, discover, read_dictionary, write_dictionary
-from tracekit.analysis.labeling import LLMLabeler, LabelingConfig
+from tracekit.analysis.discovery import discover, read_dictionary, write_dictionary
+from tracekit.analysis.labeling import LLMLabeler
 from tracekit.analysis.select import Thresholds
+from tracekit.analysis.settings import discovery_config, discovery_reads, labeling_config, labeling_reads
 from tracekit.analysis.stages import import_labels, label, read_labels
 from tracekit.analysis.stages import select_stage as run_select
 from tracekit.artifacts import Artifact, atomic_write_json, file_sha256, read_json
-from tracekit.config import evaluation_config, imported_run_files, read_pinned_dictionary
+from tracekit.config import imported_run_files, read_pinned_dictionary
 from tracekit.evaluate import RESULTS, SCORED_ROWS, paired_table, wandb_rows, write_results
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES, compose_inputs, compose_reads, write_consolidated
@@ -31,12 +31,10 @@ from tracekit.report.figure4 import FIGURE4
 from tracekit.rl.launch import Factory
 from tracekit.runs import (GRPO_RUN_READS, adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
                            ready_capabilities, synthesis_target, train_seeds, trajectories_of)
-from tracekit.synthesis.agent import GenerationAgentConfig
-from tracekit.synthesis.calibrate import CalibrationTargets, OfficialAcceptance, make_rollout_fn
-from tracekit.synthesis.sandbox import SandboxLimits
+from tracekit.synthesis.calibrate import make_rollout_fn
+from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.synthesis.stage import MANIFEST, SynthesisSettings, synthesize
-from tracekit.synthesis.validate import ValidationConfig
-from tracekit.targets import target_of, target_of_trajectories
+from tracekit.targets import benchmark_identity, evaluation_config, family_reads, target_of, target_of_trajectories
 from tracekit.types import stable_hash
 from tracekit.wiring import client_for, llm_agent, plain, rollout_reads
 
@@ -76,10 +74,7 @@ def discover_stage(ctx: StageContext) -> None:
     pinned = str(Path(a.dictionary_path).expanduser().resolve()) if a.discovery == "pinned" else None
     client = None if pinned else client_for(ctx.cfg, a.endpoint)
     trajectories = [] if pinned else trajectories_of(ctx.inputs["rollout"])  # a pinned file reads no episode
-    discover(trajectories, client, DiscoveryConfig(
-        min_capabilities=a.min_capabilities, max_capabilities=a.max_capabilities, max_attempts=a.max_retries + 1,
-        max_new_tokens=a.max_new_tokens, seed=ctx.seed, compact=CompactConfig(max_chars=a.compact_chars),
-        use_response_format=a.use_response_format, pinned=pinned), ctx.work_dir)
+    discover(trajectories, client, discovery_config(a, ctx.seed, pinned), ctx.work_dir)
 
 
 def pinned_dictionary(cfg: DictConfig) -> list[dict[str, str]] | None:
@@ -107,11 +102,7 @@ def label_stage(ctx: StageContext) -> None:
     if a.labeler == "reference":  # the heuristic labeler of the target the rollout ran on
         labeler: Any = target_of_trajectories(trajectories).reference_labeler(a.label_noise)
     else:
-        labeler = LLMLabeler(client_for(ctx.cfg, a.endpoint), LabelingConfig(
-            temperature=a.temperature, capabilities_per_call=a.capabilities_per_call,
-            max_attempts=a.max_retries + 1, max_new_tokens=a.max_new_tokens, chunk_size=a.chunk_size,
-            on_missing=a.on_missing, show_outcome=a.show_outcome, compact=CompactConfig(max_chars=a.compact_chars),
-            use_response_format=a.use_response_format))
+        labeler = LLMLabeler(client_for(ctx.cfg, a.endpoint), labeling_config(a))
     label(trajectories, read_dictionary(ctx.inputs["discover"].path), labeler,
           runs=ctx.cfg.thresholds.n, seed=ctx.seed, out_dir=ctx.work_dir)
 
@@ -124,10 +115,8 @@ def label_report(art: Artifact, ctx: StageContext) -> None:
 
 
 def select_stage(ctx: StageContext) -> None:
-    t = ctx.cfg.thresholds
     run_select(read_labels(ctx.inputs["label"].path), read_dictionary(ctx.inputs["discover"].path),
-               Thresholds(delta=t.delta, rho=t.rho, k=t.k, n=t.n, undefined_er_pos=t.undefined_er_pos),
-               ctx.work_dir, examples=ctx.cfg.analysis.examples_per_capability)
+               Thresholds(**plain(ctx.cfg.thresholds)), ctx.work_dir, examples=ctx.cfg.analysis.examples_per_capability)
 
 
 def select_report(art: Artifact, ctx: StageContext) -> None:
@@ -155,28 +144,8 @@ def select_report(art: Artifact, ctx: StageContext) -> None:
 def synthesize_stage(ctx: StageContext) -> None:
     cfg, sy = ctx.cfg, ctx.cfg.synthesis
     selected = read_json(ctx.inputs["select"].path / "selected.json")["selected"]
-    validation = ValidationConfig(n_seeds=sy.validation_seeds)
-    limits = SandboxLimits(cpu_seconds=sy.cpu_seconds, wall_seconds=sy.wall_seconds,
-                           memory_bytes=sy.memory_mb << 20)
-    band = (sy.target_low, sy.target_high)
+    settings = SynthesisSettings.of(SynthesisConfig(**plain(sy)), ctx.stage_seed)  # seed: read by source=generate
     official = sy.acceptance == "official"
-    acceptance = None
-    if official:
-        acceptance = OfficialAcceptance(group_size=sy.acceptance_group_size, mean_reward=band, success_rate=band,
-                                        min_reward_std=sy.min_reward_std, max_all_success=sy.max_all_success,
-                                        max_all_zero=sy.max_all_zero, min_informative=sy.min_informative)
-    # under the official gate, calibration aims at its constant-group bounds too (a level the gate would refuse is
-    # no calibrated level)
-    targets = CalibrationTargets(mean_reward=band, success_rate=band, min_informative=sy.min_informative,
-                                 max_all_success=sy.max_all_success if official else None,
-                                 max_all_zero=sy.max_all_zero if official else None)
-    settings = SynthesisSettings(
-        source=sy.source, difficulty=sy.difficulty, validation=validation, limits=limits, targets=targets,
-        calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k, acceptance=acceptance,
-        agent=GenerationAgentConfig(max_repair_rounds=sy.repair_rounds, max_mutation_rounds=sy.mutation_rounds,
-                          seed=ctx.seed if sy.source == "generate" else 0,  # the library source draws nothing
-                          validation=validation, limits=limits, targets=targets,
-                          calibration_seeds=sy.calibration_seeds, calibration_k=sy.calibration_k))
     rollout_fn = acceptance_fn = None
     if sy.calibrate or official:  # against the current (base) policy, sampled as GRPO samples
         agent = llm_agent(cfg, temperature=cfg.grpo.temperature)
@@ -300,20 +269,6 @@ def evaluate_inputs(cfg: DictConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(["rollout", *(s for m in cfg.eval.methods for s in METHODS[m].inputs(cfg))]))
 
 
-_ANALYSIS_CLIENT = ("analysis.max_retries", "analysis.max_new_tokens", "analysis.compact_chars",
-                    "analysis.use_response_format")
-
-
-def discover_reads(cfg: DictConfig) -> tuple[str, ...]:
-    a = cfg.analysis
-    if a.discovery == "reference":  # a fixed dictionary: nothing else matters
-        return ("analysis.discovery",)
-    reads = ("analysis.discovery", "analysis.min_capabilities", "analysis.max_capabilities", *_ANALYSIS_CLIENT, "seed")
-    if a.discovery == "pinned":
-        return (*reads, "analysis.dictionary_path")
-    return (*reads, "analysis.endpoint", f"llm.endpoints.{a.endpoint}", "backbone", "agent")
-
-
 def discover_inputs(cfg: DictConfig) -> tuple[str, ...]:
     # imported labels need no episode: their pinned candidates stand alone (other pinned runs keep the rollout as
     # an input, so that their keys stay as they were)
@@ -323,17 +278,6 @@ def discover_inputs(cfg: DictConfig) -> tuple[str, ...]:
 
 def label_inputs(cfg: DictConfig) -> tuple[str, ...]:
     return ("discover",) if cfg.analysis.labeler == "imported" else ("rollout", "discover")
-
-
-def label_reads(cfg: DictConfig) -> tuple[str, ...]:
-    a = cfg.analysis
-    if a.labeler == "imported":  # the runs' number is their files' (validate() holds thresholds.n to it)
-        return ("analysis.labeler", "analysis.labels_from")
-    if a.labeler == "reference":
-        return ("analysis.labeler", "analysis.label_noise", "thresholds.n", "seed")
-    return ("analysis.labeler", "analysis.temperature", "analysis.capabilities_per_call", "analysis.on_missing",
-            "analysis.chunk_size", "analysis.show_outcome", *_ANALYSIS_CLIENT, "analysis.endpoint",
-            f"llm.endpoints.{a.endpoint}", "backbone", "agent", "thresholds.n", "seed")
 
 
 # the official acceptance gate's own settings (issue 39): while it is off they change nothing, and keys stay as they
@@ -348,7 +292,7 @@ def acceptance_off(cfg: DictConfig) -> tuple[str, ...]:
 
 def synthesize_reads(cfg: DictConfig) -> tuple[str, ...]:
     sy = cfg.synthesis
-    reads = ["synthesis", "benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs"]
+    reads = ["synthesis", *family_reads(cfg)]
     if sy.calibrate or sy.acceptance == "official":  # calibration and the gate sample the base agent as GRPO does
         reads += ["backbone", "agent", "grpo.temperature", "grpo.max_steps"]
     if sy.source == "generate":
@@ -365,15 +309,15 @@ def evaluate_reads(cfg: DictConfig) -> tuple[str, ...]:
 
 def evaluation_benchmark(cfg: DictConfig) -> Any:
     """The evaluate key's extra: the contents of the benchmark ``eval.benchmark`` names (None when unset)."""
-    return None if cfg.eval.benchmark is None else plain(evaluation_config(cfg).benchmark)
+    return None if cfg.eval.benchmark is None else benchmark_identity(evaluation_config(cfg).benchmark)
 
 
 def build_pipeline() -> Pipeline:
     return Pipeline([
         Stage("rollout", reads=rollout_reads, inputs=(), compute=rollout_stage, report=rollout_report),
-        Stage("discover", reads=discover_reads, inputs=discover_inputs, compute=discover_stage,
+        Stage("discover", reads=discovery_reads, inputs=discover_inputs, compute=discover_stage,
               key_extra=pinned_dictionary),
-        Stage("label", reads=label_reads, inputs=label_inputs, compute=label_stage, report=label_report,
+        Stage("label", reads=labeling_reads, inputs=label_inputs, compute=label_stage, report=label_report,
               key_extra=imported_runs),
         Stage("select", reads=("thresholds", "analysis.examples_per_capability"), inputs=("label", "discover"),
               compute=select_stage, report=select_report, identity_files=("selected_names.json",)),

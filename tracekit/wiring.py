@@ -19,7 +19,7 @@ from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm import make_client
 from tracekit.llm.backbones import keeping_cached_models, register_model_cache, release_memory
 from tracekit.pipeline import plain
-from tracekit.targets import target_of
+from tracekit.targets import benchmark_reads, target_of
 from tracekit.targets.tau2 import build_user as tau2_user
 from tracekit.types import stable_hash
 
@@ -34,7 +34,7 @@ def select(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, Any]:
 
 def rollout_reads(cfg: DictConfig) -> tuple[str, ...]:
     """Config keys a rollout's result depends on (the agent's adapter or MoE is added per rollout)."""
-    reads = ["benchmark", "backbone", "agent", "user", "eval.temperature", "eval.seeds", "eval.max_steps",
+    reads = [*benchmark_reads(cfg), "backbone", "agent", "user", "eval.temperature", "eval.seeds", "eval.max_steps",
              "eval.context_budget"]
     if cfg.user.kind == "llm":
         reads.append(f"llm.endpoints.{cfg.user.endpoint}")

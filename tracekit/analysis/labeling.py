@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
@@ -31,6 +31,7 @@ from tracekit.analysis.discovery import dictionary_hash
 from tracekit.analysis.llmjson import extract_json, load_prompt, reply_text, response_format, short_error, strict_object
 from tracekit.artifacts import JsonlAppender, iter_jsonl
 from tracekit.llm.base import ChatClient, ChatRequest
+from tracekit.ranges import check_choice
 from tracekit.types import Capability, Label, LabelValue, Message, Trajectory, stable_hash
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ CACHE_FILE = "labels.cache.jsonl"
 class LabelingError(RuntimeError):
     """A label could not be obtained and ``on_missing="fail"`` (one clear line)."""
 
+
+ON_MISSING = ("skip", "fail")  # a label the labeler cannot give: recorded as missing, or the stage fails
 
 @dataclass
 class LabelingResult:
@@ -82,15 +85,14 @@ class LabelingConfig:
     max_attempts: int = 3
     max_new_tokens: int = 1024
     chunk_size: int = 16
-    on_missing: Literal["skip", "fail"] = "skip"
+    on_missing: str = "skip"  # one of ON_MISSING
     show_outcome: bool = True
     prompt: str = "labeling_v1"
     compact: CompactConfig = field(default_factory=CompactConfig)
     use_response_format: bool = True
 
     def __post_init__(self) -> None:
-        if self.on_missing not in ("skip", "fail"):
-            raise ValueError(f"labeling.on_missing must be 'skip' or 'fail', got {self.on_missing!r}")
+        check_choice("labeling.on_missing", self.on_missing, ON_MISSING)
         if self.max_attempts < 1 or self.chunk_size < 1 or self.capabilities_per_call < 0:
             raise ValueError("labeling.max_attempts and chunk_size must be >= 1, capabilities_per_call >= 0")
         if not 0.0 <= self.temperature <= 2.0:

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar, get_args
 
 import numpy as np
 
 from tracekit.analysis.stats import UndefinedErPos, label_grid, passes, stats_table
+from tracekit.ranges import Choice, check_declared
 from tracekit.types import Capability, Label, LabelValue
 
 
 @dataclass
-class Thresholds:  # not frozen: the ``thresholds`` config schema subclasses it
-    """delta (Delta >= delta), rho (Cov >= rho), K of N runs; paper defaults 0.20, 0.10, 8 of 10.
+class Thresholds:
+    """delta (Delta >= delta), rho (Cov >= rho), K of N runs; paper defaults 0.20, 0.10, 8 of 10. Also the schema of
+    the ``thresholds`` config group: its rules are declared here once, checked here and by ``validate``.
 
     ``undefined_er_pos``: ``zero`` treats an undefined ER+ (no applicable success) as 0 and flags
     it; ``unselectable`` makes Delta undefined in that run instead.
@@ -30,17 +32,16 @@ class Thresholds:  # not frozen: the ``thresholds`` config schema subclasses it
     rho: float = 0.10
     k: int = 8
     n: int = 10
-    undefined_er_pos: UndefinedErPos = "zero"
+    undefined_er_pos: str = "zero"  # an UndefinedErPos (typed str: the config schema holds no Literal)
+
+    # a gap ER- - ER+ below 0 would select what successes lack more
+    RANGES: ClassVar[dict[str, str]] = {"delta": "[0, 1]", "rho": "[0, 1]", "k": ">= 1", "n": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"undefined_er_pos": get_args(UndefinedErPos)}
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.delta <= 1.0:  # a gap ER- - ER+ below 0 would select what successes lack more
-            raise ValueError(f"thresholds.delta must be in [0, 1], got {self.delta}")
-        if not 0.0 <= self.rho <= 1.0:
-            raise ValueError(f"thresholds.rho must be in [0, 1], got {self.rho}")
-        if not 1 <= self.k <= self.n:
-            raise ValueError(f"thresholds need 1 <= k <= n, got k={self.k}, n={self.n}")
-        if self.undefined_er_pos not in ("zero", "unselectable"):
-            raise ValueError(f"thresholds.undefined_er_pos must be zero|unselectable, got {self.undefined_er_pos!r}")
+        check_declared("thresholds", self)
+        if self.k > self.n:
+            raise ValueError(f"thresholds.k={self.k!r} is invalid: must be in [1, thresholds.n={self.n}]")
 
 
 def _mean(xs: list[float | None]) -> float | None:

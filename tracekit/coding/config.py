@@ -1,4 +1,4 @@
-"""The coding target's settings (``benchmark.coding``, schema: :class:`tracekit.config.CodingBenchmarkConfig`) and
+"""The coding target's settings (``benchmark.coding``: :class:`CodingSettings`) and
 its suites.
 
 ``benchmark.kind=coding``: local SWE-smith-style tasks (:mod:`tracekit.coding.tasks`), split ``train`` | ``test``.
@@ -8,21 +8,16 @@ official harness in Docker.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tracekit.coding.sandbox import CommandLimits, jail_problem, require_jail
 from tracekit.coding.suite import CodingSuite
 from tracekit.coding.tasks import TaskGenConfig, load_or_generate, python_modifiers
+from tracekit.ranges import Choice
 
 SPLITS = ("train", "test")
-
-
-# the schema's value ranges (merged into tracekit.config.RANGES) and choices (tracekit.config.CHOICES)
-RANGES = {f"benchmark.coding.{k}": v for k, v in {
-    "seed": ">= 0", "max_per_modifier": ">= 1", "max_candidates_per_modifier": ">= 1", "heldout_fraction": "(0, 1)",
-    "test_wall_seconds": ">= 1", "test_cpu_seconds": ">= 1", "command_wall_seconds": ">= 1", "command_cpu_seconds": ">= 1",
-    "command_memory_mb": ">= 64", "command_processes": ">= 8", "output_chars": ">= 200", "max_workers": ">= 1"}.items()}
 
 
 def modifier_names() -> tuple[str, ...]:
@@ -30,13 +25,41 @@ def modifier_names() -> tuple[str, ...]:
     return tuple(pm.name for pm in python_modifiers())
 
 
-CHOICES = {"benchmark.coding.modifiers": modifier_names}
+@dataclass
+class CodingSettings:
+    """``benchmark.coding`` (kind coding and swebench share it)."""
+
+    package: str = "toolz"  # an installed pure-Python distribution that ships its tests
+    seed: int = 0  # the tasks' seed (bug choice, split); the benchmark does not move with the master seed
+    modifiers: list[str] = field(default_factory=list)  # swesmith modifier names; empty: all 13 Python ones
+    max_per_modifier: int = 3
+    max_candidates_per_modifier: int = 8
+    heldout_fraction: float = 0.5
+    test_wall_seconds: float = 60.0
+    test_cpu_seconds: int = 60
+    command_wall_seconds: float = 30.0  # the agent's bash tool, per command
+    command_cpu_seconds: int = 30
+    command_memory_mb: int = 2048
+    command_processes: int = 128
+    output_chars: int = 4000
+    model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
+    # kind=swebench
+    dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
+    repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
+    max_workers: int = 4  # the harness's parallel containers
+
+    RANGES: ClassVar[dict[str, str]] = {
+        "seed": ">= 0", "max_per_modifier": ">= 1", "max_candidates_per_modifier": ">= 1",
+        "heldout_fraction": "(0, 1)", "test_wall_seconds": ">= 1", "test_cpu_seconds": ">= 1",
+        "command_wall_seconds": ">= 1", "command_cpu_seconds": ">= 1", "command_memory_mb": ">= 64",
+        "command_processes": ">= 8", "output_chars": ">= 200", "max_workers": ">= 1"}  # fmt: skip
+    CHOICES: ClassVar[dict[str, Choice]] = {"modifiers": modifier_names}
 
 
 def check(bench: Any) -> list[tuple[str, Any, str]]:
     """(key, value, what it must be) for each invalid cross-field setting of a coding target's benchmark (kind
     coding or swebench: the coding targets' ``validate()`` raises on the first; the per-value ranges and choices
-    are in :data:`RANGES` / :data:`CHOICES`)."""
+    are :class:`CodingSettings`' own)."""
     if bench.split not in SPLITS:
         return [("benchmark.split", bench.split, f"one of {', '.join(SPLITS)} with benchmark.kind={bench.kind}")]
     problem = jail_problem()  # the agent's commands run only in the jail, never uncontained

@@ -59,6 +59,9 @@ _MARKER = "TRACEKIT_EXPORT.json"
 _EXPORT_VERSION = 1  # bump when the export layout changes: a new cache key, the old folder is ignored
 
 
+SOURCES = ("random", "gguf", "hub")  # seeded init from arch | the bundled SmolLM2 GGUF | the hub
+
+
 @dataclass
 class BackboneSpec:
     """One backbone: where its weights come from, its architecture numbers and its tool-call format.
@@ -82,8 +85,8 @@ class BackboneSpec:
     tokenizer: str = "bundled"
 
     def __post_init__(self) -> None:
-        if self.source not in ("random", "gguf", "hub"):
-            raise ValueError(f"backbone {self.name}: source must be random|gguf|hub, got {self.source!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"backbone {self.name}: source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if self.tokenizer not in ("bundled", "world"):
             raise ValueError(f"backbone {self.name}: tokenizer must be bundled|world, got {self.tokenizer!r}")
         if self.tokenizer == "world" and self.source != "random":

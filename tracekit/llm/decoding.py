@@ -50,6 +50,7 @@ from tracekit.ranges import check_value
 log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+FAST_MODES = ("auto", "on", "off")  # merged-weight fast decoding: where it applies | required | never
 PREFIX_CACHE_MIB = ">= 0"  # the prefix store's size rule (the client, the decoder and validate check this one)
 
 

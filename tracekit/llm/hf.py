@@ -32,11 +32,11 @@ import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
 from tracekit.llm.constrained import TOOL_CHOICES, ToolCallGrammar
-from tracekit.llm.decoding import (PREFIX_CACHE_MIB, FastDecoder, FastSession, causal_lm_of, open_session,
+from tracekit.llm.decoding import (FAST_MODES, PREFIX_CACHE_MIB, FastDecoder, FastSession, causal_lm_of, open_session,
                                    unsupported_reason)
 from tracekit.llm.picks import batch_pick
 from tracekit.llm.tools import TOOL_CALL_CLOSE, check_chat_format, encode_prompt, parse_assistant_text, render_prompt
-from tracekit.ranges import check_value
+from tracekit.ranges import check_choice, check_value
 from tracekit.types import Message
 
 log = logging.getLogger(__name__)
@@ -332,8 +332,7 @@ class HFChatClient(ChatClient):
         if max_batch_size < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1")
         check_value("prefix_cache_mib", prefix_cache_mib, PREFIX_CACHE_MIB)
-        if fast not in ("auto", "on", "off"):
-            raise ValueError(f"fast must be auto, on or off, got {fast!r}")
+        check_choice("fast", fast, FAST_MODES)
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {TOOL_CHOICES}, got {tool_choice!r}")
         self.model = model

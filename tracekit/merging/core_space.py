@@ -25,7 +25,7 @@ merges those cores. Defaults follow the reference core-TSV config (lam 0.2, no i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -36,7 +36,7 @@ from tracekit.merging.merges import (Adapters, MajoritySign, check_aligned, elec
 CoreMerge = Literal["sum", "ties", "tsv", "ties_tsv"]
 RankPolicy = Literal["full", "truncate"]
 _CORE_MERGES = ("sum", "ties", "tsv", "ties_tsv")
-_RANK_POLICIES = ("full", "truncate")
+RANK_POLICIES = get_args(RankPolicy)
 
 
 def core_bases(factors: Sequence[LoraFactors]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,8 +138,8 @@ def core_space_merge(
     """
     if core_merge not in _CORE_MERGES:
         raise ValueError(f"core_merge must be one of {_CORE_MERGES}, got {core_merge!r}")
-    if rank_policy not in _RANK_POLICIES:
-        raise ValueError(f"rank_policy must be one of {_RANK_POLICIES}, got {rank_policy!r}")
+    if rank_policy not in RANK_POLICIES:
+        raise ValueError(f"rank_policy must be one of {RANK_POLICIES}, got {rank_policy!r}")
     named = named_adapters(adapters)
     check_aligned(named, "core_space_merge")
     merged = {}

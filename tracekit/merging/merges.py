@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 Adapters = Mapping[str, Adapter] | Sequence[Adapter]
 MajoritySign = Literal["total", "frequency"]
+MAJORITY_SIGNS = get_args(MajoritySign)
 
 
 def named_adapters(adapters: Adapters) -> dict[str, Adapter]:

@@ -2,7 +2,8 @@
 
 ``eval.methods``, the ``method:`` of ``experiments/*.yaml`` rows, the evaluate stage's inputs and
 ``validate()`` all read :data:`METHODS`. Adding a method: one module defining a :class:`Method`
-subclass, one entry below (and a config file under ``conf/`` if it has settings).
+subclass (its settings class, if any, as its ``settings``: mounted at ``baselines.<name>``, :func:`baselines_schema`),
+one entry below, and its defaults in ``conf/baselines/paper.yaml`` if it has settings.
 
 The external baselines (paper Tables 1-3, Figure 4): ``grpo_target``, ``prompt_only``, ``gepa``,
 ``untargeted_synthetic`` (the runnable AWM control), ``adp_sft``, ``swe_rl`` (the coding target); their settings are ``baselines.*``
@@ -10,6 +11,9 @@ The external baselines (paper Tables 1-3, Figure 4): ``grpo_target``, ``prompt_o
 """
 
 from __future__ import annotations
+
+from dataclasses import field, make_dataclass
+from functools import cache
 
 from tracekit.methods.adp_sft import AdpSft
 from tracekit.methods.base import Method, PolicyRow
@@ -28,6 +32,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
+@cache
+def baselines_schema() -> type:
+    """The ``baselines`` group's schema: one field per method with settings, at its name, typed by its class."""
+    return make_dataclass("BaselinesConfig", [(name, m.settings, field(default_factory=m.settings))
+                                              for name, m in METHODS.items() if m.settings is not None])
+
+
 def validate_methods(cfg) -> None:
     """Each method's own refusals (one line, ``ConfigError``) for the methods a run evaluates, and for the
     baselines the Figure 4 stage runs when it is a target."""
@@ -39,4 +50,4 @@ def validate_methods(cfg) -> None:
             METHODS[name].validate(cfg)
 
 
-__all__ = ["METHODS", "Method", "PolicyRow", "validate_methods"]
+__all__ = ["METHODS", "Method", "PolicyRow", "baselines_schema", "validate_methods"]

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import ConfigError
 from tracekit.llm.backbones import load_backbone
@@ -23,8 +26,25 @@ from tracekit.methods.adp_data import load_adp, sft_rows
 from tracekit.methods.base import Method, PolicyRow
 from tracekit.pipeline import Stage
 from tracekit.policy import Budget, Policy
+from tracekit.ranges import Choice
 from tracekit.rl.sft import SFTSettings, train_sft
 from tracekit.wiring import backbone_dict, device, dtype
+
+
+@dataclass
+class AdpSftSettings(SFTSettings):
+    """adp_sft: the SFT recipe on Agent Data Protocol trajectories (official: QLoRA r 16, lr 1e-5, 1 epoch)."""
+
+    data: list[str] = field(default_factory=list)  # ADP standardized JSON/JSONL paths or hf://<owner>/<dataset>/<subset>
+    max_records: int | None = None  # first n well-formed trajectories over all sources (None: all)
+    max_tokens: int = 8192  # a training row longer than this is cut to its first max_tokens tokens
+
+    RANGES: ClassVar[dict[str, str]] = {**SFTSettings.RANGES, "max_records": ">= 1", "max_tokens": ">= 16"}
+    CHOICES: ClassVar[dict[str, Choice]] = {
+        **SFTSettings.CHOICES,
+        "data": r"(hf://[\w.\-]+/[\w.\-]+(/[\w.\-/]+)?|[^:]+|[A-Za-z]:.+)",  # paths or hub ids
+        "lora.target_modules": r"[\w.\-*]+", "lora.target_parameters": r"[\w.\-*]+"}
+
 
 LABEL = "ADP SFT"
 REPORT = "adp_report.json"
@@ -66,6 +86,7 @@ def adp_report(art: Artifact, ctx) -> None:
 
 
 class AdpSft(Method):
+    settings = AdpSftSettings
     name = "adp_sft"
     summary = "LoRA SFT on Agent Data Protocol trajectories (public agent data, not the target's)"
     stages = (Stage("adp_sft", reads=("baselines.adp_sft", "backbone"), inputs=(), compute=adp_stage,

@@ -24,6 +24,7 @@ class Method(ABC):
     """A row family of the paper's tables: one module under ``tracekit/methods/``, registered by name."""
 
     name: str  # the ``eval.methods`` entry and the ``method:`` of experiments/*.yaml rows
+    settings: type | None = None  # its settings class (a dataclass declaring its RANGES / CHOICES), at baselines.<name>
     summary: str  # one line, for errors and docs
     stages: tuple[Stage, ...] = ()  # stages of its own, added to the pipeline
 

@@ -35,7 +35,8 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from tracekit.artifacts import Artifact, JsonlAppender, atomic_write_json, iter_jsonl, read_json
 from tracekit.llm.base import ChatRequest, EndpointError
@@ -45,6 +46,7 @@ from tracekit.methods.target_train import (capabilities_block, open_target_train
                                            train_suite_spec)
 from tracekit.pipeline import Stage, derive_seed
 from tracekit.policy import Budget, Policy
+from tracekit.ranges import Choice
 from tracekit.rollout import TRAJECTORIES, load_done, run_rollouts
 from tracekit.synthesis.stage import trajectory_excerpt
 from tracekit.targets import target, target_of
@@ -52,6 +54,31 @@ from tracekit.types import Message, stable_hash
 from tracekit.wiring import client_for, llm_agent, release_client, select
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class GepaSettings:
+    """gepa: the ``gepa`` package's optimize loop over the capabilities block of the system prompt."""
+
+    endpoint: str = "analysis"  # the reflection LM: a key of llm.endpoints
+    max_metric_calls: int | None = None  # target training episodes GEPA may roll out; None: TRACE's episodes (matched)
+    reflection_minibatch_size: int = 3  # gepa's default
+    valset_size: int | None = None  # training tasks held out for GEPA's Pareto tracking; None: auto (see methods/gepa.py)
+    train_limit: int | None = None  # target training tasks GEPA draws from (official: 200 seeds); None: all
+    candidate_selection: str = "pareto"  # pareto | current_best | epsilon_greedy | top_k_pareto (gepa's strategies)
+    module_selector: str = "round_robin"  # round_robin (one capability description per proposal) | all
+    use_merge: bool = False
+    reflection_temperature: float = 0.7  # official TRACE GEPA run
+    reflection_max_new_tokens: int = 1024
+
+    RANGES: ClassVar[dict[str, str]] = {
+        "max_metric_calls": ">= 1", "reflection_minibatch_size": ">= 1", "valset_size": ">= 1", "train_limit": ">= 2",
+        "reflection_temperature": "[0, 2]", "reflection_max_new_tokens": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {
+        "endpoint": r"[A-Za-z_][\w\-]*",  # a key of llm.endpoints (checked in validate())
+        "candidate_selection": ("pareto", "current_best", "epsilon_greedy", "top_k_pareto"),
+        "module_selector": ("round_robin", "all")}
+
 
 LABEL = "GEPA"
 RESULT = "gepa.json"  # the gepa stage's pointer to its run
@@ -387,6 +414,7 @@ def gepa_report(art: Artifact, ctx) -> None:
 
 
 class Gepa(Method):
+    settings = GepaSettings
     name = "gepa"
     summary = "GEPA (the gepa package) refining the capabilities' descriptions in the system prompt, matched budget"
     stages = (Stage("gepa", reads=run_reads, inputs=stage_inputs, compute=gepa_stage, report=gepa_report),)

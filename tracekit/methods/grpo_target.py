@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from tracekit.artifacts import COMPLETE, Artifact, atomic_write_json, read_json
 from tracekit.methods.base import Method, PolicyRow
@@ -29,6 +30,18 @@ from tracekit.policy import Policy, grpo_budget
 from tracekit.rl.launch import Factory
 from tracekit.runs import GRPO_RUN_READS_OWN_CHECKPOINTS, grpo_run, matched_iterations, train_seeds
 from tracekit.targets import target
+
+
+@dataclass
+class GrpoTargetSettings:
+    """grpo_target: the ``grpo`` recipe on the target's own training tasks with the target's reward."""
+
+    episodes: int | None = None  # training episodes; None: TRACE's per-capability GRPO episodes summed (matched)
+    train_limit: int | None = None  # tau2: first n train-split tasks per domain (None: all); synthetic: instances per env (None: one per group)
+    checkpoint_iterations: int | None = None  # a kept checkpoint every n iterations (Figure 4b); None: grpo.iterations
+
+    RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1", "train_limit": ">= 1", "checkpoint_iterations": ">= 1"}
+
 
 LABEL = "GRPO on Target"
 RESULT = "grpo_target.json"
@@ -109,6 +122,7 @@ def read_result(art: Artifact) -> tuple[dict, Artifact]:
 
 
 class GrpoTarget(Method):
+    settings = GrpoTargetSettings
     name = "grpo_target"
     summary = "GRPO (the grpo recipe, LoRA) on the target's training tasks with its own reward, at TRACE's episodes"
     stages = (Stage("grpo_target", reads=stage_reads, inputs=stage_inputs, compute=grpo_target_stage,

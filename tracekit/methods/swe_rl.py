@@ -12,7 +12,7 @@ from __future__ import annotations
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import ConfigError
 from tracekit.methods.base import Method, PolicyRow
-from tracekit.methods.grpo_target import train_on_target
+from tracekit.methods.grpo_target import GrpoTargetSettings, train_on_target
 from tracekit.methods.grpo_target import stage_reads as grpo_reads
 from tracekit.methods.target_train import refuse_without_training_split, train_suite_spec
 from tracekit.pipeline import Stage
@@ -53,6 +53,7 @@ def swe_rl_report(art: Artifact, ctx) -> None:
 
 class SweRl(Method):
     name = "swe_rl"
+    settings = GrpoTargetSettings  # grpo_target's knobs, its own values
     summary = "GRPO on the coding target's training tasks with SWE-RL's reward (patch similarity to the oracle)"
     stages = (Stage("swe_rl", reads=stage_reads, inputs=stage_inputs, compute=swe_rl_stage, report=swe_rl_report),)
 

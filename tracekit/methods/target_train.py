@@ -9,9 +9,9 @@ Training tasks (never the evaluated ones) are the target's (``tracekit.targets``
   training seeds (``tracekit.runs.TRAIN_SEED_OFFSET`` on), disjoint from the held-out target seeds
   (``LibraryTargetSuite``'s 10,000,000 on) and from validation's ``0..n``;
 - ``coding`` / ``swebench``: the local SWE-smith-style train split;
-- ``toolsandbox``: the scenarios of ``benchmark.train_split`` (``heldout``: a seeded category-stratified half of the
+- ``toolsandbox``: the scenarios of ``benchmark.toolsandbox.train_split`` (``heldout``: a seeded category-stratified half of the
   base scenarios that no row evaluates; ``eval``: the evaluated ones, the rows marked so), in
-  ``benchmark.train_domains`` (default the evaluated domains).
+  ``benchmark.toolsandbox.train_domains`` (default the evaluated domains).
 
 A target without one says why (:func:`training_split_problem`), and the methods that need one refuse in
 ``validate()``.
@@ -30,7 +30,7 @@ from tracekit.artifacts import Artifact, read_json
 from tracekit.config import ConfigError
 from tracekit.methods.consolidate import adapters_budget
 from tracekit.runs import TRAIN_SEED_OFFSET, adapters_of
-from tracekit.targets import target, target_of, train_fields
+from tracekit.targets import benchmark_identity, benchmark_reads, target, target_of
 from tracekit.pipeline import plain
 from tracekit.wiring import client_for
 
@@ -52,7 +52,7 @@ def refuse_without_training_split(cfg: DictConfig, method: str) -> None:
 
 def train_suite_reads(cfg: DictConfig) -> tuple[str, ...]:
     """Config values the target's training suite is built from."""
-    reads = ["benchmark", "user"]
+    reads = [*benchmark_reads(cfg), "user"]
     if cfg.user.kind == "llm":  # the simulated user's client
         reads += [f"llm.endpoints.{cfg.user.endpoint}", "backbone", "agent.batch_size"]
     return tuple(reads)
@@ -63,10 +63,7 @@ def train_suite_spec(cfg: DictConfig, n_per_env: int | None = None, limit: int |
     the benchmark without its evaluation subset (split, task_ids, limit), the user and, for an LLM user, its
     endpoint, and the target's size knob (``Target.train_spec``: ``limit``, first n training tasks per domain;
     ``n_per_env`` for synthetic targets, instances per environment)."""
-    bench = {k: v for k, v in plain(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
-    for key in train_fields():  # left unset, a target's split fields stay out of the identity (Target.train_fields)
-        if bench.get(key) in (None, []):
-            bench.pop(key, None)
+    bench = {k: v for k, v in benchmark_identity(cfg.benchmark).items() if k not in ("split", "task_ids", "limit")}
     spec: dict[str, Any] = {"benchmark": bench, "user": plain(cfg.user)}
     if cfg.user.kind == "llm":
         spec["llm"] = {"endpoints": {cfg.user.endpoint: plain(cfg.llm.endpoints[cfg.user.endpoint])}}

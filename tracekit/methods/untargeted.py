@@ -16,16 +16,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import ConfigError
 from tracekit.methods.base import Method, PolicyRow
 from tracekit.methods.target_train import trace_episodes
 from tracekit.pipeline import Stage
 from tracekit.policy import Policy, grpo_budget
+from tracekit.ranges import Choice
 from tracekit.rl.launch import Factory
 from tracekit.runs import GRPO_RUN_READS, grpo_run, matched_iterations, package_identity, synthesis_target, train_seeds
 from tracekit.synthesis.library import LIBRARY_NAMES, _target_family, library_env
 from tracekit.synthesis.stage import PACKAGE
+from tracekit.targets import family_reads
+
+
+@dataclass
+class UntargetedSettings:
+    """untargeted_synthetic: GRPO on every library environment of the target's family, uniformly (AWM-style control)."""
+
+    episodes: int | None = None  # None: TRACE's per-capability GRPO episodes summed (matched)
+    envs_dir: str | None = None  # a folder of environment packages (<dir>/<name>/env.json) to use instead
+
+    RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"envs_dir": r".+"}  # a folder of environment packages (checked in validate())
+
 
 LABEL = "Untargeted synthetic (AWM-style)"
 RESULT = "untargeted.json"
@@ -40,7 +57,7 @@ def family_environments(cfg) -> list[str]:
 def stage_reads(cfg):
     reads = [*GRPO_RUN_READS, "baselines.untargeted_synthetic"]
     if cfg.baselines.untargeted_synthetic.envs_dir is None:  # the library: the target's family, the difficulty
-        reads += ["benchmark.kind", "benchmark.domains", "benchmark.name", "benchmark.envs", "synthesis.difficulty"]
+        reads += [*family_reads(cfg), "synthesis.difficulty"]
     return tuple(reads)
 
 
@@ -98,6 +115,7 @@ def untargeted_report(art: Artifact, ctx) -> None:
 
 
 class UntargetedSynthetic(Method):
+    settings = UntargetedSettings
     name = "untargeted_synthetic"
     summary = "GRPO on every synthetic environment of the target's family, uniformly, no analysis (AWM-style)"
     stages = (Stage("untargeted_synthetic", reads=stage_reads, inputs=stage_inputs, compute=untargeted_stage,

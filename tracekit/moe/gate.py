@@ -33,7 +33,7 @@ from tracekit.artifacts import atomic_write_text
 from tracekit.moe.layer import RoutingSpec
 from tracekit.moe.model import LoRAMoEModel
 from tracekit.ops import token_logprobs
-from tracekit.ranges import check_ranges
+from tracekit.ranges import check_declared
 from tracekit.types import TokenRecord
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class GateTrainConfig:
                                         "ce_chunk": ">= 1"}
 
     def __post_init__(self) -> None:
-        check_ranges("moe", self, self.RANGES)
+        check_declared("moe", self)
 
 
 # --------------------------------------------------------------------------- pure losses

@@ -66,6 +66,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracekit.moe.arrow import arrow_weights
+from tracekit.ranges import check_choice
+
+
+MOE_IMPLS = ("grouped", "grouped_mm", "masked_dense")  # how top-k routing computes (RoutingSpec.impl)
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,7 @@ class RoutingSpec:
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
-        if self.impl not in ("grouped", "grouped_mm", "masked_dense"):
-            raise ValueError(f"impl must be 'grouped', 'grouped_mm' or 'masked_dense', got {self.impl!r}")
+        check_choice("impl", self.impl, MOE_IMPLS)
         if self.impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
             raise ValueError(f"impl 'grouped_mm' needs torch._grouped_mm (torch >= 2.8); torch is {torch.__version__}")
 

@@ -45,6 +45,7 @@ from tracekit.methods.consolidate.moe import moe_report
 from tracekit.paired import Z95, paired_vs_base, required_n, summary_of_outcomes
 from tracekit.planted.curves import adapter_curves, write_curves
 from tracekit.planted.warmstart import PlantedSpec, planted_record
+from tracekit.targets import target_of
 from tracekit.wiring import backbone_dict
 
 log = logging.getLogger(__name__)
@@ -262,9 +263,10 @@ def report(variants: dict[str, dict[str, Any]], out: Path,
                  f"environment, seed {spec.seed})")
     else:
         agent = f"{cfg.backbone.name} as released (no warm start)"
+    world = target_of(cfg).own(cfg.benchmark)  # a library target's envs and difficulty
     md = [f"# TRACE's gain ({cfg.name})", "",
           f"Backbone: {agent}. Target: {cfg.benchmark.name}, {cfg.benchmark.limit} held-out instances of each of "
-          f"{', '.join(cfg.benchmark.envs)} (difficulty {cfg.benchmark.difficulty}; seeds from 10,000,000). "
+          f"{', '.join(world.envs)} (difficulty {world.difficulty}; seeds from 10,000,000). "
           f"Decoding: T={cfg.eval.temperature}, seeds {list(cfg.eval.seeds)}, at most {cfg.eval.max_steps} steps.", "",
           "Intervals: t = Student-t 95% on the per-seed overall pass rates (mean +- t_{0.975,n-1} sd/sqrt(n)); "
           "Wilson = 95% score interval on all (task, seed) episodes pooled (treats episodes as independent). "

@@ -27,7 +27,7 @@ from typing import Any
 
 from tracekit.artifacts import atomic_write_json, atomic_write_text
 from tracekit.cli import task
-from tracekit.config import register_configs
+from tracekit.schema import register_configs
 from tracekit.llm.backbones import build_config
 from tracekit.moe.counts import count_params, gate_param_count
 from tracekit.report.table5 import lora_param_count, meta_causal_lm

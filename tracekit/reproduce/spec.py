@@ -36,7 +36,8 @@ from typing import Any
 
 import yaml
 
-from tracekit.config import ConfigError, register_configs
+from tracekit.config import ConfigError
+from tracekit.schema import register_configs
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import STRATEGIES
 from tracekit.validate import validate

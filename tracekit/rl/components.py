@@ -36,13 +36,6 @@ from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 log = logging.getLogger(__name__)
 
 
-def check_settings(group: str, obj: Any, checks: Sequence[tuple[bool, str, str]]) -> None:
-    """Raise the first failed check as ``<group>.<key>=<value> is invalid: must be <what>`` (one line)."""
-    for ok, key, valid in checks:
-        if not ok:
-            raise ValueError(f"{group}.{key}={getattr(obj, key)!r} is invalid: must be {valid}")
-
-
 def place_model(model: torch.nn.Module, device: str | torch.device | None, dtype: str) -> tuple[torch.nn.Module, torch.device]:
     """Move ``model`` to ``device`` (default: cuda if available) in ``dtype`` (auto: bf16 on GPU, fp32 on CPU)."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -62,15 +62,15 @@ import torch
 
 from tracekit.artifacts import write_jsonl
 from tracekit.envs.base import EnvSuite
-from tracekit.llm.decoding import causal_lm_of
+from tracekit.llm.decoding import FAST_MODES, causal_lm_of
 from tracekit.llm.hf import padding_id
-from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, load_checkpoint, place_model,
+from tracekit.rl.components import (LocalBackend, MetricsCSV, load_checkpoint, place_model,
                                     save_checkpoint, save_peft_adapter, seed_everything)
 from tracekit.rl.engines import HFEngine
 from tracekit.rl.episodes import EpisodeSpec, run_episodes
 from tracekit.rl.fused import set_fused_update_kernels
-from tracekit.ranges import DTYPES, check_ranges, one_of
-from tracekit.rl.settings import LoraSettings, lora_ranges
+from tracekit.ranges import DTYPES, Choice, check_declared
+from tracekit.rl.settings import SAVE_ROLLOUTS, LoraSettings, lora_ranges
 from tracekit.rl.tokens import PolicyRow, Turn, collate, pack_microbatches, rows_for_trajectory
 from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
 from tracekit.types import Trajectory, stable_hash
@@ -119,16 +119,13 @@ class DistillSettings:
         "max_grad_norm": ">= 0", "microbatch_tokens": ">= 1", "logprob_chunk": ">= 1", "rollout_batch_size": ">= 1",
         "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1", **lora_ranges()}  # fmt: skip
 
+    CHOICES: ClassVar[dict[str, Choice]] = {"rollout_fast": FAST_MODES, "dtype": DTYPES, "save_rollouts": SAVE_ROLLOUTS}
+
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        check_ranges("distill", self, self.RANGES)
-        check_settings("distill", self, [
-            (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
-            (self.dtype in DTYPES, "dtype", one_of(DTYPES)),
-            (self.save_rollouts in ("none", "messages", "full"), "save_rollouts", "none, messages or full"),
-        ])
+        check_declared("distill", self)
 
 
 DISTILL_METRIC_COLUMNS = [

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse
-from tracekit.llm.decoding import Completion, FastDecoder, generate, unsupported_reason
+from tracekit.llm.decoding import FAST_MODES, Completion, FastDecoder, generate, unsupported_reason
 from tracekit.llm.hf import padding_id, stop_token_ids
 from tracekit.llm.tools import check_chat_format, encode_prompt, parse_assistant_text
+from tracekit.ranges import check_choice
 from tracekit.types import Message, stable_hash
 
 log = logging.getLogger(__name__)
@@ -163,8 +164,7 @@ class HFEngine:
         cuda_graphs: bool | None = None,
         compile_layers: bool = False,
     ):
-        if fast not in ("auto", "on", "off"):
-            raise ValueError(f"fast must be auto, on or off, got {fast!r}")
+        check_choice("fast", fast, FAST_MODES)
         self.model = model
         stops = stop_token_ids(model, tokenizer)
         self.client = PolicyChat(

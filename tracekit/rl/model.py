@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from tracekit.llm.decoding import causal_lm_of
 from tracekit.ops import _ChunkedTokenLogProb, token_logprobs
 from tracekit.rl import grpo
-from tracekit.rl.settings import LoraSettings
+from tracekit.ranges import check_choice
+from tracekit.rl.settings import CHECKPOINT_POLICIES, LoraSettings
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,7 @@ def set_activation_checkpointing(lm: torch.nn.Module, on: bool, policy: str = "f
     its partitioner applies the policy); off restores the eager layers.
     transformers >= 5.2x names it ``activation_checkpointing_*``; earlier 5.x ``gradient_checkpointing_*``.
     """
-    if policy not in ("full", "selective"):
-        raise ValueError(f"checkpoint policy must be full or selective, got {policy!r}")
+    check_choice("checkpoint policy", policy, CHECKPOINT_POLICIES)
     kw: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
         kw["context_fn"] = selective_checkpoint_context()

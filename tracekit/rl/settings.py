@@ -1,14 +1,17 @@
-"""GRPO, LoRA and launcher settings: plain dataclasses (no torch import), also the Hydra schema of
-the ``grpo`` and ``launcher`` config groups (see :mod:`tracekit.config`)."""
+"""GRPO, LoRA and launcher settings: plain dataclasses, also the Hydra schema of
+the ``grpo`` and ``launcher`` config groups (see :mod:`tracekit.schema`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tracekit.ranges import DTYPES, check_ranges, one_of
+from tracekit.llm.decoding import FAST_MODES
+from tracekit.ranges import DTYPES, Choice, check_declared
 
 KINDS = ("local", "deepspeed_zero2", "deepspeed_zero3")
+CHECKPOINT_POLICIES = ("full", "selective")  # recompute whole layers | elementwise ops only (rl/model.py)
+SAVE_ROLLOUTS = ("none", "messages", "full")  # what a run keeps of its rollouts (full: per-turn token ids too)
 
 
 @dataclass
@@ -105,19 +108,18 @@ class GRPORecipe:
         "num_minibatches": ">= 1", "microbatch_tokens": ">= 1", "logprob_chunk": ">= 1", "rollout_batch_size": ">= 1",
         "seed": ">= 0", "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1", "early_stop_patience": ">= 0",
         "early_stop_min_delta": ">= 0", **lora_ranges()}  # fmt: skip
+    CHOICES: ClassVar[dict[str, Choice]] = {
+        "old_logprobs": ("rollout", "recompute"), "checkpoint_policy": CHECKPOINT_POLICIES, "rollout_fast": FAST_MODES,
+        "dtype": DTYPES}
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        check_ranges("grpo", self, self.RANGES)
+        check_declared("grpo", self)
         checks = [
-            (self.old_logprobs in ("rollout", "recompute"), "old_logprobs", "rollout or recompute"),
             (self.tis_cap is None or self.old_logprobs == "recompute", "tis_cap", "null unless old_logprobs=recompute"),
             (isinstance(self.release_rollout_memory, bool), "release_rollout_memory", "true or false"),
-            (self.dtype in DTYPES, "dtype", one_of(DTYPES)),
-            (self.checkpoint_policy in ("full", "selective"), "checkpoint_policy", "full or selective"),
-            (self.rollout_fast in ("auto", "on", "off"), "rollout_fast", "auto, on or off"),
             (isinstance(self.health_kl_ref, bool), "health_kl_ref", "true or false"),
             (isinstance(self.skip_saturated, bool), "skip_saturated", "true or false"),
             (isinstance(self.early_stop_patience, int) and not isinstance(self.early_stop_patience, bool),
@@ -135,10 +137,7 @@ class GRPOSettings(GRPORecipe):
 
     save_rollouts: str = "messages"  # none | messages | full (full keeps per-turn token ids)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.save_rollouts not in ("none", "messages", "full"):
-            raise ValueError(f"grpo.save_rollouts={self.save_rollouts!r} is invalid: must be none, messages or full")
+    CHOICES: ClassVar[dict[str, Choice]] = {**GRPORecipe.CHOICES, "save_rollouts": SAVE_ROLLOUTS}
 
 
 @dataclass
@@ -151,15 +150,11 @@ class LauncherSettings:
     # sliver of a GPU; the env steps of several runs fill the CPU cores); 1: one after another, in process
     concurrent_runs: int = 1
 
+    RANGES: ClassVar[dict[str, str]] = {"nproc": ">= 1", "master_port": "[1, 65535]", "concurrent_runs": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"kind": KINDS, "command": ("torchrun", "deepspeed")}
+
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"launcher.kind={self.kind!r} is invalid: must be one of {', '.join(KINDS)}")
-        if self.nproc < 1:
-            raise ValueError(f"launcher.nproc={self.nproc!r} is invalid: must be >= 1")
-        if self.concurrent_runs < 1:
-            raise ValueError(f"launcher.concurrent_runs={self.concurrent_runs!r} is invalid: must be >= 1")
-        if self.command not in ("torchrun", "deepspeed"):
-            raise ValueError(f"launcher.command={self.command!r} is invalid: must be torchrun or deepspeed")
+        check_declared("launcher", self)
 
     @property
     def zero_stage(self) -> int:

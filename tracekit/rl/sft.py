@@ -46,10 +46,10 @@ import torch
 
 from tracekit.artifacts import iter_jsonl
 from tracekit.llm.decoding import causal_lm_of
-from tracekit.rl.components import (LocalBackend, MetricsCSV, check_settings, load_checkpoint, place_model,
+from tracekit.rl.components import (LocalBackend, MetricsCSV, load_checkpoint, place_model,
                                     save_checkpoint, save_peft_adapter, seed_everything)
 from tracekit.rl.fused import set_fused_update_kernels
-from tracekit.ranges import DTYPES, check_ranges, one_of
+from tracekit.ranges import DTYPES, Choice, check_declared
 from tracekit.rl.settings import LoraSettings, lora_ranges
 from tracekit.rl.tokens import PolicyRow, Turn, build_rows, collate, pack_microbatches
 from tracekit.rl.model import build_peft_model, sequence_logprobs, set_activation_checkpointing
@@ -91,15 +91,13 @@ class SFTSettings:
         "betas": "[0, 1)", "weight_decay": ">= 0", "microbatch_tokens": ">= 1", "logprob_chunk": ">= 1", "seed": ">= 0",
         "checkpoint_every": ">= 1", "keep_checkpoints": ">= 1", **lora_ranges()}  # fmt: skip
 
+    CHOICES: ClassVar[dict[str, Choice]] = {"schedule": ("linear", "constant"), "dtype": DTYPES}
+
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        check_ranges("sft", self, self.RANGES)
-        check_settings("sft", self, [
-            (self.schedule in ("linear", "constant"), "schedule", "linear or constant"),
-            (self.dtype in DTYPES, "dtype", one_of(DTYPES)),
-        ])
+        check_declared("sft", self)
 
 
 SFT_METRIC_COLUMNS = [

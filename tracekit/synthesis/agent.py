@@ -32,6 +32,7 @@ from tracekit.synthesis.library import LIBRARY_NAMES, family_environments, libra
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxError, SandboxLimits
 from tracekit.synthesis.suite import SyntheticSuite
 from tracekit.synthesis.targets import target_family, target_policy, target_tools
+from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.synthesis.validate import ValidationConfig, ValidationReport, validate_source, write_report
 from tracekit.types import Capability, Message, stable_hash
 
@@ -85,20 +86,48 @@ class GenerationSpec:
 
 
 @dataclass
+class EnvChecks:
+    """What every synthesized environment is held to, library and generated alike: validation, the sandbox it runs
+    in, and calibration against the current policy (its seeds, samples and target band). Built from the
+    ``synthesis`` group (:meth:`of`), which holds each knob's one default."""
+
+    validation: ValidationConfig
+    limits: SandboxLimits
+    targets: CalibrationTargets
+    calibration_seeds: int
+    calibration_k: int
+
+    @classmethod
+    def of(cls, c: SynthesisConfig) -> EnvChecks:
+        band = (c.target_low, c.target_high)
+        official = c.acceptance == "official"
+        # under the official gate, calibration aims at its constant-group bounds too (a level the gate would refuse
+        # is no calibrated level)
+        targets = CalibrationTargets(mean_reward=band, success_rate=band, min_informative=c.min_informative,
+                                     max_all_success=c.max_all_success if official else None,
+                                     max_all_zero=c.max_all_zero if official else None)
+        return cls(validation=ValidationConfig(n_seeds=c.validation_seeds),
+                   limits=SandboxLimits(cpu_seconds=c.cpu_seconds, wall_seconds=c.wall_seconds,
+                                        memory_bytes=c.memory_mb << 20),
+                   targets=targets, calibration_seeds=c.calibration_seeds, calibration_k=c.calibration_k)
+
+
+def default_checks() -> EnvChecks:
+    return EnvChecks.of(SynthesisConfig())
+
+
+@dataclass
 class GenerationAgentConfig:
+    """The generation agent's own knobs (what it is held to: :class:`EnvChecks`)."""
+
     prompt_version: str = "v1"
-    max_repair_rounds: int = 3
-    max_mutation_rounds: int = 5
+    max_repair_rounds: int = SynthesisConfig.repair_rounds
+    max_mutation_rounds: int = SynthesisConfig.mutation_rounds
     temperature: float = 0.7
     max_new_tokens: int = 8192
     seed: int = 0
     max_excerpts: int = 3
     excerpt_chars: int = 1500
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
-    targets: CalibrationTargets = field(default_factory=CalibrationTargets)
-    calibration_seeds: int = 16
-    calibration_k: int = 16
 
 
 class RoundRecord(BaseModel):
@@ -150,7 +179,7 @@ def build_prompt(spec: GenerationSpec, cfg: GenerationAgentConfig = GenerationAg
     )
 
 
-def _mutation_prompt(report: CalibrationReport, cfg: GenerationAgentConfig) -> str:
+def _mutation_prompt(report: CalibrationReport, cfg: GenerationAgentConfig, targets: CalibrationTargets) -> str:
     last = report.tried[-1]
     easy = last.verdict == "too_easy"
     s = last.stats
@@ -160,8 +189,8 @@ def _mutation_prompt(report: CalibrationReport, cfg: GenerationAgentConfig) -> s
     return fill(
         load_prompt("mutate", cfg.prompt_version),
         DIRECTION="too easy" if easy else "too hard", K=str(report.k), N_SEEDS=str(len(report.seeds)), STATS=stats,
-        LO=str(cfg.targets.mean_reward[0]), HI=str(cfg.targets.mean_reward[1]),
-        MIN_INFORMATIVE=str(cfg.targets.min_informative), CHANGE="harder" if easy else "easier",
+        LO=str(targets.mean_reward[0]), HI=str(targets.mean_reward[1]),
+        MIN_INFORMATIVE=str(targets.min_informative), CHANGE="harder" if easy else "easier",
         HOW=("more distractor records, more constraints or steps, less information given up front" if easy
              else "fewer distractors, fewer steps, the needed information stated more plainly"),
     )
@@ -170,8 +199,9 @@ def _mutation_prompt(report: CalibrationReport, cfg: GenerationAgentConfig) -> s
 class _Run:
     """State of one generation run (conversation, round records, files)."""
 
-    def __init__(self, client: ChatClient, spec: GenerationSpec, out_dir: Path, cfg: GenerationAgentConfig):
-        self.client, self.spec, self.out, self.cfg = client, spec, out_dir, cfg
+    def __init__(self, client: ChatClient, spec: GenerationSpec, out_dir: Path, cfg: GenerationAgentConfig,
+                 checks: EnvChecks):
+        self.client, self.spec, self.out, self.cfg, self.checks = client, spec, out_dir, cfg, checks
         self.messages = [Message(role="system", content="You write correct, self-contained Python code."),
                          Message(role="user", content=build_prompt(spec, cfg))]
         self.rounds: list[RoundRecord] = []
@@ -197,7 +227,7 @@ class _Run:
         record.code_hash = stable_hash(code)
         atomic_write_text(self.out / "rounds" / f"round_{record.round}.py", code)
         report = validate_source(code, f"generated:{self.spec.capability.name}:round{record.round}",
-                                 self.cfg.validation, self.cfg.limits, expected_target=self.spec.target,
+                                 self.checks.validation, self.checks.limits, expected_target=self.spec.target,
                                  reference_tools=({t["function"]["name"]: t for t in self.spec.tools}
                                                   if self.spec.tools is not None else None))
         write_report(report, self.out / "rounds", f"round_{record.round}")
@@ -224,25 +254,26 @@ class _Run:
         write_jsonl(self.out / "transcript.jsonl", self.messages)
 
 
-def _calibrate(code: str, cfg: GenerationAgentConfig, rollout_fn: RolloutFn, name: str) -> CalibrationReport:
-    probe = SandboxBackend(code, cfg.limits)
+def _calibrate(code: str, checks: EnvChecks, rollout_fn: RolloutFn, name: str) -> CalibrationReport:
+    probe = SandboxBackend(code, checks.limits)
     levels = probe.describe().difficulty_levels
     probe.close()
 
     def make_suite(level: int) -> EnvSuite:
-        return SyntheticSuite(SandboxBackend(code, cfg.limits, level), range(cfg.calibration_seeds))
+        return SyntheticSuite(SandboxBackend(code, checks.limits, level), range(checks.calibration_seeds))
 
-    return calibrate_difficulty(make_suite, levels, rollout_fn, list(range(cfg.calibration_seeds)),
-                                cfg.calibration_k, cfg.targets, name=name)
+    return calibrate_difficulty(make_suite, levels, rollout_fn, list(range(checks.calibration_seeds)),
+                                checks.calibration_k, checks.targets, name=name)
 
 
 def generate_environment(client: ChatClient, spec: GenerationSpec, out_dir: str | Path,
                          cfg: GenerationAgentConfig = GenerationAgentConfig(),
-                         rollout_fn: RolloutFn | None = None) -> GenerationResult:
-    """Run the generation agent for one capability; returns (and writes) the result, accepted or failed."""
+                         rollout_fn: RolloutFn | None = None, checks: EnvChecks | None = None) -> GenerationResult:
+    """Run the generation agent for one capability; returns (and writes) the result, accepted or failed.
+    ``checks``: what the environment is held to (default: the ``synthesis`` group's defaults)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run = _Run(client, spec, out, cfg)
+    run = _Run(client, spec, out, cfg, checks or default_checks())
     result = GenerationResult(status="failed", capability=spec.capability.name, target=spec.target,
                               prompt_version=cfg.prompt_version)
     accepted: tuple[str, ValidationReport] | None = None
@@ -277,13 +308,13 @@ def _calibrate_and_mutate(run: _Run, accepted: tuple[str, ValidationReport], cfg
     best = accepted
     best_report: CalibrationReport | None = None
     for mutation in range(cfg.max_mutation_rounds + 1):
-        report = _calibrate(accepted[0], cfg, rollout_fn, run.spec.capability.name)
+        report = _calibrate(accepted[0], run.checks, rollout_fn, run.spec.capability.name)
         run.rounds[-1].calibration = report.tried[-1].verdict if report.tried else None
-        if best_report is None or _closer(report, best_report, cfg):
+        if best_report is None or _closer(report, best_report, run.checks.targets):
             best, best_report = accepted, report
         if report.passed or mutation == cfg.max_mutation_rounds:
             break
-        run.messages.append(Message(role="user", content=_mutation_prompt(report, cfg)))
+        run.messages.append(Message(role="user", content=_mutation_prompt(report, cfg, run.checks.targets)))
         mutated = run.valid_module("mutation")
         if mutated is None:
             break
@@ -292,8 +323,8 @@ def _calibrate_and_mutate(run: _Run, accepted: tuple[str, ValidationReport], cfg
     return best, best_report.passed
 
 
-def _closer(a: CalibrationReport, b: CalibrationReport, cfg: GenerationAgentConfig) -> bool:
+def _closer(a: CalibrationReport, b: CalibrationReport, targets: CalibrationTargets) -> bool:
     def best_distance(r: CalibrationReport) -> float:
-        return min(distance(t.stats, cfg.targets) for t in r.tried)
+        return min(distance(t.stats, targets) for t in r.tried)
 
     return best_distance(a) < best_distance(b)

@@ -35,12 +35,12 @@ class LibraryTargetSuite(EnvSuite):
         """``extra_envs``: environments beyond the library a target evaluates on (the micro target's held-out task
         kinds that need two capabilities at once), by name."""
         if not envs:
-            raise ValueError("a synthetic target needs at least one library environment (benchmark.envs)")
+            raise ValueError("a synthetic target needs at least one library environment (benchmark.<kind>.envs)")
         extra = dict(extra_envs or {})
         unknown = [e for e in envs if e not in LIBRARY_NAMES and e not in extra]
         if unknown:
             known = ", ".join([*LIBRARY_NAMES, *extra])
-            raise ValueError(f"benchmark.envs: unknown library environment(s) {unknown}; known: {known}")
+            raise ValueError(f"benchmark.<kind>.envs: unknown library environment(s) {unknown}; known: {known}")
         if n_per_env < 1:
             raise ValueError(f"benchmark.limit (instances per environment) must be >= 1, got {n_per_env}")
         self.name = name
@@ -49,7 +49,7 @@ class LibraryTargetSuite(EnvSuite):
         for env in envs:
             cls = extra[env] if env in extra else library_env(env)
             if difficulty not in cls.difficulty_levels:
-                raise ValueError(f"benchmark.difficulty={difficulty} is not a level of {env} "
+                raise ValueError(f"benchmark.<kind>.difficulty={difficulty} is not a level of {env} "
                                  f"(levels {list(cls.difficulty_levels)})")
             self.suites[env] = SyntheticSuite.from_env(cls(difficulty), seeds, user=user, **suite_kwargs)
 

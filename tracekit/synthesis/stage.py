@@ -21,19 +21,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.llm.base import ChatClient
-from tracekit.synthesis.agent import GenerationAgentConfig, GenerationSpec, generate_environment
-from tracekit.synthesis.calibrate import (CalibrationTargets, OfficialAcceptance, RolloutFn, accept,
-                                          calibrate_difficulty, write_calibration)
+from tracekit.synthesis.agent import (EnvChecks, GenerationAgentConfig, GenerationSpec, default_checks,
+                                      generate_environment)
+from tracekit.synthesis.calibrate import OfficialAcceptance, RolloutFn, accept, calibrate_difficulty, write_calibration
 from tracekit.synthesis.library import find_library_env, library_env
 from tracekit.synthesis.protocol import InProcessBackend
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxLimits
+from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.synthesis.suite import SyntheticSuite, UserKind
 from tracekit.synthesis.targets import TARGETS
-from tracekit.synthesis.validate import ValidationConfig, validate_env, write_report
+from tracekit.synthesis.validate import validate_env, write_report
 from tracekit.types import Capability, Trajectory
 
 log = logging.getLogger(__name__)
@@ -45,15 +46,31 @@ ACCEPTANCE = "acceptance.json"
 
 @dataclass
 class SynthesisSettings:
-    source: Literal["library", "generate"] = "library"
+    """What :func:`synthesize` runs with: built from the ``synthesis`` group in one call (:meth:`of`), the
+    generation agent's knobs and the checks every environment is held to nested."""
+
+    source: str = SynthesisConfig.source  # library | generate
     difficulty: int | None = None  # library default when None
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checks: EnvChecks = field(default_factory=default_checks)
     agent: GenerationAgentConfig = field(default_factory=GenerationAgentConfig)
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
-    targets: CalibrationTargets = field(default_factory=CalibrationTargets)
-    calibration_seeds: int = 4
-    calibration_k: int = 16
     acceptance: OfficialAcceptance | None = None  # the official gate on every ready package (None: no gate)
+
+    @classmethod
+    def of(cls, c: SynthesisConfig, seed: int | None) -> SynthesisSettings:
+        """From the ``synthesis`` group; ``seed``: the stage's, which only the generate source reads (the library
+        source draws nothing)."""
+        if c.source == "generate" and seed is None:
+            raise ValueError("synthesis.source=generate samples the generation LLM: it needs the stage's seed")
+        band = (c.target_low, c.target_high)
+        acceptance = None
+        if c.acceptance == "official":
+            acceptance = OfficialAcceptance(group_size=c.acceptance_group_size, mean_reward=band, success_rate=band,
+                                            min_reward_std=c.min_reward_std, max_all_success=c.max_all_success,
+                                            max_all_zero=c.max_all_zero, min_informative=c.min_informative)
+        agent = GenerationAgentConfig(max_repair_rounds=c.repair_rounds, max_mutation_rounds=c.mutation_rounds,
+                                      seed=seed if c.source == "generate" else 0)
+        return cls(source=c.source, difficulty=c.difficulty, checks=EnvChecks.of(c), agent=agent,
+                   acceptance=acceptance)
 
 
 def trajectory_excerpt(traj: Trajectory, max_chars: int = 1500) -> str:
@@ -124,13 +141,13 @@ def _library_package(cap: Capability, target: str, pkg: Path, settings: Synthesi
     if difficulty not in cls.difficulty_levels:
         difficulty = cls.default_difficulty
     if rollout_fn is not None:
-        seeds = list(range(settings.calibration_seeds))
+        seeds = list(range(settings.checks.calibration_seeds))
         report = calibrate_difficulty(lambda d: SyntheticSuite.from_env(cls(d), seeds), cls.difficulty_levels,
-                                      rollout_fn, seeds, settings.calibration_k, settings.targets, start=difficulty,
+                                      rollout_fn, seeds, settings.checks.calibration_k, settings.checks.targets, start=difficulty,
                                       name=cls.name)
         write_calibration(report, pkg)
         difficulty = report.chosen_difficulty
-    validation = validate_env(cls, difficulty, settings.validation)
+    validation = validate_env(cls, difficulty, settings.checks.validation)
     write_report(validation, pkg)
     if not validation.passed:  # a built-in env failing validation is a bug: report it, do not train on it
         return {"capability": cap.name, "status": "skipped", "reason": f"validation failed: {validation.reason}"}
@@ -142,7 +159,7 @@ def _library_package(cap: Capability, target: str, pkg: Path, settings: Synthesi
 def _generated_package(cap: Capability, target: str, pkg: Path, settings: SynthesisSettings, client: ChatClient,
                        rollout_fn: RolloutFn | None, excerpts: list[str]) -> dict[str, Any]:
     spec = GenerationSpec(capability=cap, target=target, failure_excerpts=excerpts)
-    result = generate_environment(client, spec, pkg, settings.agent, rollout_fn)
+    result = generate_environment(client, spec, pkg, settings.agent, rollout_fn, settings.checks)
     if result.status != "accepted":
         return {"capability": cap.name, "status": "skipped", "reason": result.reason}
     difficulty = None
@@ -157,8 +174,8 @@ def _generated_package(cap: Capability, target: str, pkg: Path, settings: Synthe
 def _accepted_package(entry: dict[str, Any], pkg: Path, settings: SynthesisSettings, rule: OfficialAcceptance,
                       rollout_fn: RolloutFn) -> dict[str, Any]:
     """``entry`` with the official gate's figures; a skip with the refusal line when the package misses a band."""
-    seeds = settings.validation.seeds()
-    suite = open_package(pkg, seeds, limits=settings.limits)  # as training opens it
+    seeds = settings.checks.validation.seeds()
+    suite = open_package(pkg, seeds, limits=settings.checks.limits)  # as training opens it
     try:
         report = accept(suite, seeds, rollout_fn, rule)
     finally:

@@ -2,7 +2,7 @@
 
 A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets it). Its module gives:
 
-- ``validate(cfg)``: the target's own config checks, run by :func:`tracekit.config.validate` before any work
+- ``validate(cfg)``: the target's own config checks, run by :func:`tracekit.validate.validate` before any work
   (one-line :class:`~tracekit.config.ConfigError`; e.g. ToolSandbox's environment not built);
 - ``build_suite(cfg, split, client_for)``: its :class:`~tracekit.envs.base.EnvSuite` (tasks, episodes, reward);
 - ``synthesis_family(cfg)``: the interface synthesized environments keep (a name of
@@ -23,25 +23,51 @@ A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 from tracekit.evaluate import markdown_table, summarize
+from tracekit.ranges import Choice
 
 ClientFor = Callable[[DictConfig, str], Any]  # tracekit.wiring.client_for(cfg, role)
 
 
+@dataclass
+class BenchmarkSettings:
+    """The ``benchmark`` fields every target reads. A target's own settings are its :attr:`Target.settings` class,
+    mounted at ``benchmark.<Target.mount>`` (:func:`tracekit.targets.benchmark_schema` assembles the group)."""
+
+    name: str = MISSING  # the conf/benchmark file's name (tau2_airline, micro, ...)
+    kind: str = "tau2"  # the target (tracekit.targets registry)
+    domains: list[str] = field(default_factory=list)  # the target's domains evaluated (Target.domains)
+    split: str = "test"  # train | test | base
+    task_ids: list[str] | None = None  # explicit subset (ids as the benchmark names them)
+    limit: int | None = None  # first n tasks per domain (library targets: instances per environment)
+
+    RANGES: ClassVar[dict[str, str]] = {"limit": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"split": ("train", "test", "base")}
+
+
 class Target:
     kind: str = ""  # the benchmark.kind value this target answers to
+    settings: type | None = None  # its own settings class (None: none), mounted at benchmark.<mount>
+    mount: str = ""  # where: "" is its kind (targets sharing settings share a mount: coding and swebench)
+    domains: tuple[str, ...] = ()  # the values benchmark.domains may hold with this kind
     summary: str = ""
     metric: str = "pass_rate"
     columns: tuple[str, ...] = ("overall",)
     paper_tasks: str | None = None  # the paper's full task set of this target (None: the paper does not use it)
     patch_reward: bool = False  # training tasks with gold patches (SWE-RL's patch-similarity reward)
-    # benchmark fields of this target's own training split: left unset they stay out of every target's training
-    # suite spec, so a field one target adds never moves another target's training identities (cache keys)
-    train_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def mount_name(cls) -> str:
+        return cls.mount or cls.kind
+
+    def own(self, b: DictConfig) -> Any:
+        """This target's own settings node of a ``benchmark`` config ``b`` (``b.<mount>``)."""
+        return b[self.mount_name()]
 
     def validate(self, cfg: DictConfig) -> None:
         """Raise ConfigError (one line) for a config this target cannot run."""
@@ -97,6 +123,10 @@ class Target:
     def paper_user_applies(self, cfg: DictConfig) -> bool:
         """Whether the paper's user simulator (tau^2's LLM user) is a reference value for this run."""
         return False
+
+    def family_reads(self) -> tuple[str, ...]:
+        """The benchmark keys :meth:`synthesis_family` reads beyond the common ones (kind, domains, name)."""
+        return ()
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         raise NotImplementedError(f"target {self.kind}: no synthesis interface is known")

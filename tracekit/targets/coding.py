@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from tracekit.agents import GoldAgent
-from tracekit.coding.config import build_suite, check, command_limits
+from tracekit.coding.config import CodingSettings, build_suite, check, command_limits
 from tracekit.coding.config import build_suite as coding_suite
 from tracekit.coding.reference import CodingReferenceLabeler, reference_dictionary
 from tracekit.coding.sandbox import require_jail
@@ -22,6 +22,8 @@ from tracekit.targets.base import ClientFor, Target
 
 class CodingTarget(Target):
     kind = "coding"
+    settings = CodingSettings
+    mount = "coding"  # swebench shares it
     summary = "bugs injected by swesmith's procedural modifiers into an installed package, checked by its own tests"
     metric = "pass_at_1"
     columns = ("pass_at_1",)

@@ -106,8 +106,9 @@ class MicroTarget(LibraryTarget):
         return None  # the paper has no micro world
 
     def describe_tasks(self, b: DictConfig) -> str:
-        combos = sum(e in COMBOS for e in b.envs)
-        return (f"{b.name} (micro: {len(b.envs) - combos} capability environments + {combos} two-capability task kinds "
+        envs = self.own(b).envs
+        combos = sum(e in COMBOS for e in envs)
+        return (f"{b.name} (micro: {len(envs) - combos} capability environments + {combos} two-capability task kinds "
                 f"x {b.limit} held-out instances)")
 
     def paper_user_applies(self, cfg: DictConfig) -> bool:

@@ -3,16 +3,30 @@ simulator guidelines and evaluator (:mod:`tracekit.envs.tau2`); pass rate per do
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
 from tracekit.agents import GoldAgent
 from tracekit.analysis.reference import ReferenceLabeler, reference_dictionary
 from tracekit.config import _check
+from tracekit.ranges import Choice
 from tracekit.targets.base import ClientFor, Target
 
 TAU2_DOMAINS = ("airline", "retail")  # tracekit.envs.tau2.DOMAINS (importing it loads tau2: seconds)
+
+
+@dataclass
+class Tau2Settings:
+    """``benchmark.tau2``: how tau^2's episodes run."""
+
+    policy: str = "full"  # full: tau^2's own policy text
+    max_errors: int = 10  # end the episode after this many error tool results
+    agent_can_stop: bool = True  # an agent message containing ###STOP### ends the episode
+
+    RANGES: ClassVar[dict[str, str]] = {"max_errors": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"policy": ("full",)}
 
 
 def build_user(cfg: DictConfig, client_for: ClientFor) -> Any:
@@ -28,6 +42,8 @@ def build_user(cfg: DictConfig, client_for: ClientFor) -> Any:
 
 class Tau2Target(Target):
     kind = "tau2"
+    settings = Tau2Settings
+    domains = TAU2_DOMAINS
     summary = "tau^2-bench airline/retail (tau^2's evaluator)"
     metric = "pass_rate"
     columns = ("airline", "retail", "overall")
@@ -42,12 +58,10 @@ class Tau2Target(Target):
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
         from tracekit.envs.tau2 import Tau2Suite  # deferred: imports tau2 (seconds)
 
-        b = cfg.benchmark
-        if b.policy != "full":
-            raise ValueError(f"benchmark.policy={b.policy!r}: only 'full' (tau^2's own policy) is built")
+        b, own = cfg.benchmark, cfg.benchmark.tau2
         return Tau2Suite(name=b.name, domains=list(b.domains), split=split or b.split,
                          task_ids=list(b.task_ids) if b.task_ids else None, limit=b.limit,
-                         user=build_user(cfg, client_for), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
+                         user=build_user(cfg, client_for), max_errors=own.max_errors, agent_can_stop=own.agent_can_stop)
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
         """tau^2's ``train`` split (``split_tasks.json``): disjoint from the evaluated ``test``/``base`` tasks."""
@@ -66,9 +80,9 @@ class Tau2Target(Target):
                     seed_offset: int) -> Any:
         from tracekit.envs.tau2 import Tau2Suite  # deferred: imports tau2 (seconds)
 
-        b = cfg.benchmark
+        b, own = cfg.benchmark, cfg.benchmark.tau2
         return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
-                         user=build_user(cfg, client_for), max_errors=b.max_errors, agent_can_stop=b.agent_can_stop)
+                         user=build_user(cfg, client_for), max_errors=own.max_errors, agent_can_stop=own.agent_can_stop)
 
     def is_paper_tasks(self, b: DictConfig) -> bool:
         return sorted(b.domains) == ["airline", "retail"] and b.split == "base"

@@ -5,19 +5,34 @@ ground-truth calls."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
 from tracekit.config import _check
+from tracekit.ranges import Choice
 from tracekit.synthesis.library import library_env
 from tracekit.synthesis.library_target import LibraryTargetSuite
 from tracekit.targets.base import ClientFor, Target
+from tracekit.targets import env_names
 from tracekit.targets.tau2 import Tau2Target
+
+
+@dataclass
+class LibrarySettings:
+    """``benchmark.<kind>`` of a library target (synthetic, micro): which environments, at which level."""
+
+    envs: list[str] = field(default_factory=list)  # library environments (benchmark.limit: instances per env)
+    difficulty: int = 0  # the environments' difficulty level
+
+    RANGES: ClassVar[dict[str, str]] = {"difficulty": ">= 0"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"envs": env_names}
 
 
 class LibraryTarget(Target):
     kind = "synthetic"
+    settings = LibrarySettings
     summary = "held-out instances of library environments (their own reward)"
     metric = "pass_rate"
     columns = ("overall",)
@@ -27,18 +42,18 @@ class LibraryTarget(Target):
         return self.extra_envs[name] if name in self.extra_envs else library_env(name)
 
     def validate(self, cfg: DictConfig) -> None:
-        b = cfg.benchmark
-        _check(len(b.envs) > 0, "benchmark.envs", list(b.envs), "a non-empty list with benchmark.kind=synthetic")
+        b, own, at = cfg.benchmark, self.own(cfg.benchmark), f"benchmark.{self.mount_name()}"
+        _check(len(own.envs) > 0, f"{at}.envs", list(own.envs), f"a non-empty list with benchmark.kind={self.kind}")
         _check(b.limit is not None, "benchmark.limit", b.limit, ">= 1 (instances per environment)")
-        for env in b.envs:
+        for env in own.envs:
             levels = list(self.env_class(env).difficulty_levels)
-            _check(b.difficulty in levels, "benchmark.difficulty", b.difficulty, f"a difficulty level of {env} ({levels})")
+            _check(own.difficulty in levels, f"{at}.difficulty", own.difficulty, f"a difficulty level of {env} ({levels})")
 
     def build_suite(self, cfg: DictConfig, split: str | None, client_for: ClientFor) -> Any:
-        b = cfg.benchmark
+        b, own = cfg.benchmark, self.own(cfg.benchmark)
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
-        return LibraryTargetSuite(b.name, list(b.envs), difficulty=b.difficulty, n_per_env=b.limit,
+        return LibraryTargetSuite(b.name, list(own.envs), difficulty=own.difficulty, n_per_env=b.limit,
                                   user=cfg.user.kind, extra_envs=self.extra_envs, **llm_user)
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
@@ -54,31 +69,35 @@ class LibraryTarget(Target):
                     seed_offset: int) -> Any:
         """Instances of the same library environments at the target's difficulty from the training seeds
         (``seed_offset`` on)."""
-        b = cfg.benchmark
+        b, own = cfg.benchmark, self.own(cfg.benchmark)
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
-        return LibraryTargetSuite(f"{b.name}-train", list(b.envs), difficulty=b.difficulty,
+        return LibraryTargetSuite(f"{b.name}-train", list(own.envs), difficulty=own.difficulty,
                                   n_per_env=int(spec["n_per_env"]), seed_offset=seed_offset,
                                   user=cfg.user.kind, extra_envs=self.extra_envs, **llm_user)
 
     def train_envs(self, cfg: DictConfig) -> int:
-        return max(1, len(cfg.benchmark.envs))
+        return max(1, len(self.own(cfg.benchmark).envs))
 
     def _tau2_family(self, b: DictConfig) -> bool:
-        return bool(b.envs) and library_env(b.envs[0]).target.startswith("tau2")
+        envs = self.own(b).envs
+        return bool(envs) and library_env(envs[0]).target.startswith("tau2")
 
     def paper_tasks_of(self, b: DictConfig) -> str | None:
         """A stand-in for tau^2-Bench (``tau2_mini``): compared with (a cut of) tau^2's task set."""
         return Tau2Target.paper_tasks if self._tau2_family(b) else None
 
     def describe_tasks(self, b: DictConfig) -> str:
-        return f"{b.name} (synthetic: {len(b.envs)} library environments x {b.limit} held-out instances)"
+        return f"{b.name} (synthetic: {len(self.own(b).envs)} library environments x {b.limit} held-out instances)"
 
     def paper_user_applies(self, cfg: DictConfig) -> bool:
         return self._tau2_family(cfg.benchmark)  # tau^2's environments: tau^2's LLM user is the paper's
 
+    def family_reads(self) -> tuple[str, ...]:
+        return (f"benchmark.{self.mount_name()}.envs",)
+
     def synthesis_family(self, cfg: DictConfig) -> str:
-        return library_env(cfg.benchmark.envs[0]).target  # the family of the library environments it is made of
+        return library_env(self.own(cfg.benchmark).envs[0]).target  # the family of the library environments it is made of
 
     def reference_dictionary(self) -> list[Any]:
         return Tau2Target().reference_dictionary()

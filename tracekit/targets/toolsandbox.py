@@ -4,17 +4,17 @@ its similarity in [0, 1], success is similarity 1.0; the metrics are the mean si
 (App. F, eqs. 3-4) over the 129 base scenarios (``benchmark.domains: [base]``), the named variants as further
 domains (columns), and a per-category breakdown (ToolSandbox's scenario categories).
 
-Training split (``benchmark.train_split``; ToolSandbox has none of its own, the target owns this one): the
+Training split (``benchmark.toolsandbox.train_split``; ToolSandbox has none of its own, the target owns this one): the
 baselines that learn from the target (GRPO on target, GEPA: Tables 3, 7, 8's bottom block, Figure 5) train on
 
-- ``heldout`` (the default): a seeded split (``benchmark.train_seed``) of the 129 base scenarios, stratified by
+- ``heldout`` (the default): a seeded split (``benchmark.toolsandbox.train_seed``) of the 129 base scenarios, stratified by
   ToolSandbox category (each stratum: the scenarios of one category set, split in half, the odd ones out
   rounded by the seed): the training half is never evaluated (every row's evaluation drops it, in every domain),
   so such a row measures generalization to unseen scenarios of the same kinds;
 - ``eval``: the evaluated scenarios themselves (as the paper's in-domain rows appear to: they score out of 129),
   marked "trained on the evaluated scenarios" in the table.
 
-Either is played in ``benchmark.train_domains`` (default: the evaluated domains; e.g. ``[3_distraction_tools]``
+Either is played in ``benchmark.toolsandbox.train_domains`` (default: the evaluated domains; e.g. ``[3_distraction_tools]``
 trains on the same scenarios with three distraction tools added). The split is computed from a catalog of the
 base scenarios (``data/toolsandbox_scenarios.json``, ``scripts/extract_toolsandbox_scenarios.py``), so it is
 known at config time without ToolSandbox's environment; its name, seed and training scenarios are in the training
@@ -26,15 +26,17 @@ from __future__ import annotations
 import json
 import random
 from collections import defaultdict
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
 from tracekit.config import ConfigError, _check
-from tracekit.envs.toolsandbox import DOMAINS, ToolSandboxOracle, ToolSandboxSuite, base_name, missing_environment
+from tracekit.envs.toolsandbox import DOMAINS, VARIANTS, ToolSandboxOracle, ToolSandboxSuite, base_name, missing_environment
 from tracekit.evaluate import BUDGET_COLUMNS, mean_ci, split_runs, summarize
+from tracekit.ranges import Choice
 from tracekit.targets.base import ClientFor, Target
 from tracekit.targets.toolsandbox_labels import ToolSandboxReferenceLabeler, reference_dictionary
 from tracekit.types import stable_hash
@@ -85,12 +87,29 @@ def heldout_train_scenarios(seed: int, fraction: float = HELDOUT_TRAIN_FRACTION,
     return sorted(picked)
 
 
+@dataclass
+class ToolSandboxSettings:
+    """``benchmark.toolsandbox``: the training split the target owns (ToolSandbox has none of its own)."""
+
+    train_domains: list[str] = field(default_factory=list)  # the variants learned in ([]: the evaluated domains)
+    train_split: str | None = None  # heldout | eval (None: heldout)
+    train_seed: int | None = None  # the heldout split's seed (None: 0)
+
+    RANGES: ClassVar[dict[str, str]] = {"train_seed": ">= 0"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"train_domains": VARIANTS, "train_split": tuple(TRAIN_SPLITS)}
+
+
+def _own(b: DictConfig | dict[str, Any]) -> Any:
+    """The ``toolsandbox`` settings of a benchmark node or of a training spec's benchmark."""
+    return b["toolsandbox"]
+
+
 def train_split_of(b: DictConfig | dict[str, Any]) -> str:
-    return b.get("train_split") or DEFAULT_TRAIN_SPLIT
+    return _own(b).get("train_split") or DEFAULT_TRAIN_SPLIT
 
 
 def train_seed_of(b: DictConfig | dict[str, Any]) -> int:
-    seed = b.get("train_seed")
+    seed = _own(b).get("train_seed")
     return 0 if seed is None else int(seed)
 
 
@@ -105,24 +124,25 @@ class ToolSandboxTarget(Target):
     metric = "similarity"
     columns = ("perfect", "mean_similarity")
     paper_tasks = "ToolSandbox: 129 base scenarios"
-    train_fields = ("train_domains", "train_split", "train_seed")
+    settings = ToolSandboxSettings
+    domains = DOMAINS
 
     def validate(self, cfg: DictConfig) -> None:
         b = cfg.benchmark
         _check(len(b.domains) > 0 and all(d in DOMAINS for d in b.domains), "benchmark.domains", list(b.domains),
                f"a non-empty list of ToolSandbox domains ({', '.join(DOMAINS)}) with benchmark.kind=toolsandbox")
         _check(b.split == "base", "benchmark.split", b.split, "base with benchmark.kind=toolsandbox (ToolSandbox has "
-               "no train/test split; benchmark.train_split picks the training scenarios)")
-        _check(all(d in DOMAINS and d != "base" for d in b.train_domains), "benchmark.train_domains",
-               list(b.train_domains), f"ToolSandbox variant domains ({', '.join(DOMAINS[1:])}), or [] for the "
+               "no train/test split; benchmark.toolsandbox.train_split picks the training scenarios)")
+        _check(all(d in DOMAINS and d != "base" for d in _own(b).train_domains), "benchmark.toolsandbox.train_domains",
+               list(_own(b).train_domains), f"ToolSandbox variant domains ({', '.join(DOMAINS[1:])}), or [] for the "
                "evaluated domains")
         split = train_split_of(b)
-        _check(split in TRAIN_SPLITS, "benchmark.train_split", b.get("train_split"),
+        _check(split in TRAIN_SPLITS, "benchmark.toolsandbox.train_split", _own(b).get("train_split"),
                f"one of {', '.join(TRAIN_SPLITS)} with benchmark.kind=toolsandbox")
         held = set(excluded_from_evaluation(b))
         chosen = [t for t in (b.task_ids or ()) if base_name(t) in held]
         _check(not chosen, "benchmark.task_ids", chosen, f"scenarios that are evaluated: these are training "
-               f"scenarios of benchmark.train_split=heldout (benchmark.train_seed={train_seed_of(b)})")
+               f"scenarios of benchmark.toolsandbox.train_split=heldout (benchmark.toolsandbox.train_seed={train_seed_of(b)})")
         problem = self._no_scenarios(cfg)
         if problem:
             raise ConfigError(f"benchmark={b.name}: {problem}")
@@ -169,24 +189,25 @@ class ToolSandboxTarget(Target):
     def _no_scenarios(self, cfg: DictConfig) -> str | None:
         b = cfg.benchmark
         if not self.evaluated_scenarios(cfg):
-            return "no scenario is left to evaluate (benchmark.task_ids, benchmark.train_split)"
+            return "no scenario is left to evaluate (benchmark.task_ids, benchmark.toolsandbox.train_split)"
         if not self.training_scenarios(cfg):
-            return f"benchmark.train_split={train_split_of(b)} leaves no training scenario"
+            return f"benchmark.toolsandbox.train_split={train_split_of(b)} leaves no training scenario"
         return None
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
         b = cfg.benchmark
         if train_split_of(b) not in TRAIN_SPLITS:
-            return f"benchmark.train_split={b.get('train_split')!r} is none of {', '.join(TRAIN_SPLITS)}"
+            return f"benchmark.toolsandbox.train_split={_own(b).get('train_split')!r} is none of {', '.join(TRAIN_SPLITS)}"
         return self._no_scenarios(cfg)
 
     def train_spec(self, cfg: DictConfig, spec: dict[str, Any], n_per_env: int | None, limit: int | None) -> dict[str, Any]:
         """The split's name and seed (in ``spec['benchmark']``) and its training scenarios by name (``scenarios``);
         for ``eval`` also the evaluated selection (``task_ids``, the evaluation's ``limit``) it repeats."""
         b = cfg.benchmark
-        bench = {**spec["benchmark"], "train_split": train_split_of(b), "train_seed": train_seed_of(b)}
-        out = {**spec, "benchmark": bench, "limit": limit, "scenarios": self.training_scenarios(cfg)}
-        if bench["train_split"] == "eval":
+        own = {**spec["benchmark"]["toolsandbox"], "train_split": train_split_of(b), "train_seed": train_seed_of(b)}
+        out = {**spec, "benchmark": {**spec["benchmark"], "toolsandbox": own}, "limit": limit,
+               "scenarios": self.training_scenarios(cfg)}
+        if own["train_split"] == "eval":
             out["evaluated"] = {"task_ids": list(b.task_ids) if b.task_ids else None, "limit": b.limit}
         return out
 
@@ -196,23 +217,23 @@ class ToolSandboxTarget(Target):
         limit = min((x for x in (spec.get("limit"), (spec.get("evaluated") or {}).get("limit")) if x is not None),
                     default=None)
         where = ", ".join([*([f"first {limit} per domain"] if limit is not None else []),
-                           *([f"in variants {', '.join(b['train_domains'])}"] if b.get("train_domains") else [])])
+                           *([f"in variants {', '.join(_own(b)['train_domains'])}"] if _own(b).get("train_domains") else [])])
         where = f"; {where}" if where else ""
-        if b.get("train_split") == "eval":
+        if _own(b).get("train_split") == "eval":
             return f"ToolSandbox's evaluated scenarios (train_split=eval: {n} base scenarios{where})"
-        return (f"ToolSandbox heldout split (seed {b.get('train_seed', 0)}: {n} base scenarios stratified by category, "
+        return (f"ToolSandbox heldout split (seed {_own(b).get('train_seed', 0)}: {n} base scenarios stratified by category, "
                 f"never evaluated{where})")
 
     def train_split_notes(self, spec: dict[str, Any]) -> tuple[str, ...]:
-        return (EVAL_NOTE,) if spec["benchmark"].get("train_split") == "eval" else ()
+        return (EVAL_NOTE,) if _own(spec["benchmark"]).get("train_split") == "eval" else ()
 
     def train_suite(self, cfg: DictConfig, spec: dict[str, Any], cache_dir: str | None, client_for: ClientFor,
                     seed_offset: int) -> Any:
-        """The training scenarios in ``benchmark.train_domains`` (default the evaluated domains). ``eval`` with the
+        """The training scenarios in ``benchmark.toolsandbox.train_domains`` (default the evaluated domains). ``eval`` with the
         evaluated domains repeats the evaluation's selection exactly (task ids, its per-domain limit; then the
         training ``limit``)."""
         b = cfg.benchmark
-        domains = list(b.get("train_domains") or ()) or list(b.domains)
+        domains = list(_own(b).get("train_domains") or ()) or list(b.domains)
         limit = spec.get("limit")
         task_ids = None
         ev = spec.get("evaluated")

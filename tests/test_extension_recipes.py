@@ -1,0 +1,224 @@
+"""The recipes of docs/ARCHITECTURE.md, held (issue 38): adding a target takes <= 5 files and a method with settings
+<= 6. Each test follows its recipe in a temporary copy of the tree, with a throwaway target or method that has
+settings of its own, counts the files the recipe touched, and runs the copy: the config composes with the new
+entry, its settings are checked by the rules it declares (one line), its keys hold its own settings and no other
+target's, and the docs' registry checks pass there."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("tracekit", "conf", "docs", "README.md", ".importlinter", "tests/conftest.py", "tests/__init__.py",
+          "tests/test_docs_registries.py")
+
+
+def _copy_tree(dst: Path) -> None:
+    for rel in COPIED:
+        src = ROOT / rel
+        if src.is_dir():
+            shutil.copytree(src, dst / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif src.exists():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def _touched(copy: Path) -> list[str]:
+    """The files of the copy that differ from the tree, or are new."""
+    out = []
+    for rel in COPIED:
+        base = copy / rel
+        for f in [base] if base.is_file() else (p for p in base.rglob("*") if p.is_file()):
+            if "__pycache__" in f.parts:
+                continue
+            r = f.relative_to(copy)
+            if not (ROOT / r).is_file() or not filecmp.cmp(ROOT / r, f, shallow=False):
+                out.append(str(r))
+    return sorted(out)
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path}: the recipe's anchor {old!r} is gone: update the recipe and this test"
+    path.write_text(text.replace(old, new, 1))
+
+
+def _run(copy: Path, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=copy, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _docs_checks(copy: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs_registries.py"],
+                          cwd=copy, env=env, capture_output=True, text=True, timeout=300)
+
+
+TARGET_MODULE = '''
+"""A throwaway target (tests/test_extension_recipes.py)."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tracekit.targets.base import Target
+
+
+@dataclass
+class EchoSettings:
+    rounds: int = 1
+    mode: str = "plain"
+
+    RANGES: ClassVar[dict[str, str]] = {"rounds": ">= 1"}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("plain", "loud")}
+
+
+class EchoTarget(Target):
+    kind = "echo"
+    settings = EchoSettings
+    domains = ("echo",)
+    summary = "a throwaway target"
+'''
+
+
+def test_adding_a_target_touches_at_most_5_files(tmp_path):
+    copy = tmp_path / "tree"
+    _copy_tree(copy)
+    # the recipe (docs/ARCHITECTURE.md, "Adding a target")
+    (copy / "tracekit/targets/echo.py").write_text(TARGET_MODULE)
+    _edit(copy / "tracekit/targets/__init__.py", '_MODULES = {\n', '_MODULES = {\n    "echo": ("echo", "EchoTarget"),\n')
+    (copy / "conf/benchmark/echo.yaml").write_text("name: echo\nkind: echo\ndomains: [echo]\necho:\n  rounds: 2\n")
+    _edit(copy / "docs/ARCHITECTURE.md", "<!-- /registry -->\n\nA `Target`",
+          "| `echo` | `echo.py` | a throwaway target | none |\n<!-- /registry -->\n\nA `Target`")
+    _edit(copy / "docs/ARCHITECTURE.md", "the registry: base (Target), ", "the registry: base (Target), echo, ")
+    _edit(copy / "README.md", "**Targets** (`conf/benchmark/`, `benchmark=<name>`): ",
+          "**Targets** (`conf/benchmark/`, `benchmark=<name>`): `echo` (a throwaway target), ")
+    touched = _touched(copy)
+    assert touched == ["README.md", "conf/benchmark/echo.yaml", "docs/ARCHITECTURE.md", "tracekit/targets/__init__.py",
+                       "tracekit/targets/echo.py"] and len(touched) <= 5
+    out = _run(copy, """
+        from pathlib import Path
+        from tests.conftest import compose_config
+        from tracekit.config import ConfigError
+        from tracekit.validate import _leaves, _check_leaf, RANGES, CHOICES
+        from tracekit.wiring import rollout_reads
+        from tracekit.stages import build_pipeline
+        from tracekit.artifacts import Artifact
+        tmp = Path("runs")
+        cfg = compose_config(["benchmark=echo"], tmp)
+        assert cfg.benchmark.echo.rounds == 2 and "benchmark.echo.rounds" in RANGES and "benchmark.echo.mode" in CHOICES
+        reads = rollout_reads(cfg)
+        assert "benchmark.echo" in reads and not any(r.startswith("benchmark.toolsandbox") for r in reads), reads
+        for bad in ("benchmark.echo.rounds=0", "benchmark.echo.mode=quiet"):
+            c = compose_config(["benchmark=echo", bad], tmp)
+            try:
+                for key, pattern, node, name in _leaves(c, __import__("tracekit.schema").schema.config_schema()):
+                    if pattern in RANGES or pattern in CHOICES:
+                        _check_leaf(key, pattern, node[name])
+            except ConfigError as e:
+                print("refused:", e)
+            else:
+                raise SystemExit(f"{bad} was not refused")
+        pipe = build_pipeline()
+        key = lambda c: pipe.key(c, pipe.stages["rollout"], {})
+        assert key(cfg) != key(compose_config(["benchmark=echo", "benchmark.echo.rounds=3"], tmp))
+        assert key(cfg) == key(compose_config(["benchmark=echo", "benchmark.toolsandbox.train_seed=7"], tmp))
+        print("ok")
+    """)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    assert "refused: benchmark.echo.rounds=0 is invalid: must be >= 1" in out.stdout
+    assert "refused: benchmark.echo.mode='quiet' is invalid: must be one of plain, loud" in out.stdout
+    docs = _docs_checks(copy)
+    assert docs.returncode == 0, docs.stdout[-3000:] + docs.stderr[-2000:]
+
+
+METHOD_MODULE = '''
+"""A throwaway method with settings (tests/test_extension_recipes.py)."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tracekit.methods.base import Method
+
+
+@dataclass
+class EchoMethodSettings:
+    episodes: int | None = None
+    style: str = "plain"
+
+    RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"style": ("plain", "loud")}
+
+
+class EchoMethod(Method):
+    name = "echo_method"
+    settings = EchoMethodSettings
+    summary = "a throwaway method"
+
+    def inputs(self, cfg):
+        return ()
+
+    def reads(self, cfg):
+        return ("baselines.echo_method",)
+
+    def rows(self, ctx):
+        return []
+'''
+
+
+def test_adding_a_method_with_settings_touches_at_most_6_files(tmp_path):
+    copy = tmp_path / "tree"
+    _copy_tree(copy)
+    # the recipe (docs/ARCHITECTURE.md, "Adding a method")
+    (copy / "tracekit/methods/echo_method.py").write_text(METHOD_MODULE)
+    _edit(copy / "tracekit/methods/__init__.py", "from tracekit.methods.adp_sft import AdpSft\n",
+          "from tracekit.methods.adp_sft import AdpSft\nfrom tracekit.methods.echo_method import EchoMethod\n")
+    _edit(copy / "tracekit/methods/__init__.py", "    SweRl(),\n", "    SweRl(), EchoMethod(),\n")
+    _edit(copy / "conf/baselines/paper.yaml", "grpo_target:\n", "echo_method:\n  episodes: null\n  style: plain\ngrpo_target:\n")
+    _edit(copy / "docs/ARCHITECTURE.md", "<!-- registry: methods -->\n",
+          "<!-- registry: methods -->\n- `echo_method`: a throwaway method\n")
+    _edit(copy / "docs/ARCHITECTURE.md", "the registry (base: Method, PolicyRow); ", "the registry (base: Method, PolicyRow); echo_method, ")
+    _edit(copy / "README.md", "<!-- registry: methods -->\n", "<!-- registry: methods -->\n- `echo_method`: a throwaway method\n")
+    touched = _touched(copy)
+    assert touched == ["README.md", "conf/baselines/paper.yaml", "docs/ARCHITECTURE.md", "tracekit/methods/__init__.py",
+                       "tracekit/methods/echo_method.py"] and len(touched) <= 6
+    out = _run(copy, """
+        from pathlib import Path
+        from tests.conftest import compose_config
+        from tracekit.config import ConfigError
+        from tracekit.validate import validate
+        from tracekit.stages import build_pipeline
+        tmp = Path("runs")
+        cfg = compose_config(["eval.methods=[base,echo_method]", "baselines.echo_method.episodes=5"], tmp)
+        validate(cfg)
+        for bad in ("baselines.echo_method.episodes=0", "baselines.echo_method.style=quiet", "eval.methods=[echo_methd]"):
+            try:
+                validate(compose_config([bad], tmp))
+            except ConfigError as e:
+                print("refused:", e)
+            else:
+                raise SystemExit(f"{bad} was not refused")
+        pipe = build_pipeline()
+        reads = pipe.reads(cfg, "evaluate")
+        assert "baselines.echo_method" in reads, reads
+        print("ok")
+    """)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    assert "refused: baselines.echo_method.episodes=0 is invalid: must be >= 1" in out.stdout
+    assert "refused: baselines.echo_method.style='quiet' is invalid: must be one of plain, loud" in out.stdout
+    assert "refused: eval.methods='echo_methd' is invalid: must be one of" in out.stdout
+    docs = _docs_checks(copy)
+    assert docs.returncode == 0, docs.stdout[-3000:] + docs.stderr[-2000:]
+
+
+@pytest.mark.parametrize("recipe", ["Adding a target", "Adding a method"])
+def test_the_recipes_are_in_the_architecture_doc(recipe):
+    assert f"**{recipe}" in (ROOT / "docs/ARCHITECTURE.md").read_text()

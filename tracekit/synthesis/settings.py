@@ -1,0 +1,53 @@
+"""The ``synthesis`` config group's owner: :class:`SynthesisConfig` is its schema, the one place each knob has its
+default and its rule. What :func:`tracekit.synthesis.stage.synthesize` runs with is built from it in one call
+(:meth:`tracekit.synthesis.stage.SynthesisSettings.of`: the generation agent's knobs and the checks every
+environment is held to, nested)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tracekit.ranges import Choice, check_declared
+
+SOURCES = ("library", "generate")  # the built-in capability library | an LLM writes each environment
+ACCEPTANCE = ("none", "official")  # no gate | the official TRACE calibration gate on every ready environment
+
+
+@dataclass
+class SynthesisConfig:
+    """One training environment per selected capability (paper section 3.4)."""
+
+    source: str = "library"
+    endpoint: str = "generation"  # source=generate: a key of llm.endpoints
+    repair_rounds: int = 3
+    mutation_rounds: int = 5
+    validation_seeds: int = 50
+    calibrate: bool = False
+    calibration_seeds: int = 4
+    calibration_k: int = 16
+    target_low: float = 0.2  # the band of mean reward and success rate (calibration's target, acceptance's gate)
+    target_high: float = 0.6
+    min_informative: float = 0.5
+    acceptance: str = "none"
+    acceptance_group_size: int = 16  # official: G, the base policy's samples per validation seed
+    min_reward_std: float = 0.05  # official: the rewards' std at least this
+    max_all_success: float = 0.2  # official: groups in which every sample succeeds at most this share
+    max_all_zero: float = 0.2  # official: groups in which every reward is 0 at most this share
+    difficulty: int = 1
+    cpu_seconds: int = 30
+    wall_seconds: int = 60
+    memory_mb: int = 2048
+
+    RANGES: ClassVar[dict[str, str]] = {
+        "repair_rounds": ">= 0", "mutation_rounds": ">= 0", "validation_seeds": ">= 1", "calibration_seeds": ">= 1",
+        "calibration_k": ">= 2", "target_low": "[0, 1]", "target_high": "[0, 1]", "min_informative": "[0, 1]",
+        "difficulty": ">= 0", "acceptance_group_size": ">= 2", "min_reward_std": "[0, 1]", "max_all_success": "[0, 1]",
+        "max_all_zero": "[0, 1]", "cpu_seconds": ">= 1", "wall_seconds": ">= 1", "memory_mb": ">= 256"}  # fmt: skip
+    CHOICES: ClassVar[dict[str, Choice]] = {"source": SOURCES, "acceptance": ACCEPTANCE}
+
+    def __post_init__(self) -> None:
+        check_declared("synthesis", self)
+        if self.target_low > self.target_high:
+            raise ValueError(f"synthesis.target_low={self.target_low!r} is invalid: must be <= "
+                             f"synthesis.target_high={self.target_high}")
