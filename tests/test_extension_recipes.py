@@ -1,5 +1,5 @@
-"""The recipes of docs/ARCHITECTURE.md, held (issue 38): adding a target takes <= 5 files and a method with settings
-<= 6. Each test follows its recipe in a temporary copy of the tree, with a throwaway target or method that has
+"""The recipes of docs/ARCHITECTURE.md, held (issue 38): adding a target takes <= 5 files, a method with settings
+<= 6, a consolidation strategy with settings 6. Each test follows its recipe in a temporary copy of the tree, with a throwaway target or method that has
 settings of its own, counts the files the recipe touched, and runs the copy: the config composes with the new
 entry, its settings are checked by the rules it declares (one line), its keys hold its own settings and no other
 target's, and the docs' registry checks pass there."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("tracekit", "conf", "docs", "README.md", ".importlinter", "tests/conftest.py", "tests/__init__.py",
+COPIED = ("tracekit", "conf", "docs", "sweeps", "README.md", ".importlinter", "tests/conftest.py", "tests/__init__.py",
           "tests/test_docs_registries.py")
 
 
@@ -219,6 +219,84 @@ def test_adding_a_method_with_settings_touches_at_most_6_files(tmp_path):
     assert docs.returncode == 0, docs.stdout[-3000:] + docs.stderr[-2000:]
 
 
-@pytest.mark.parametrize("recipe", ["Adding a target", "Adding a method"])
+STRATEGY_MODULE = '''
+"""A throwaway consolidation strategy with settings (tests/test_extension_recipes.py)."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tracekit.methods.consolidate.base import Strategy
+
+
+@dataclass
+class EchoStrategySettings:
+    scale: float = 1.0
+    order: str = "name"
+
+    RANGES: ClassVar[dict[str, str]] = {"scale": "> 0"}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"order": ("name", "rank")}
+
+
+class EchoStrategy(Strategy):
+    name = "echo_strategy"
+    label = "Echo"
+    settings = EchoStrategySettings
+
+    def reads(self, cfg):
+        return ("consolidation.echo_strategy",)
+
+    def consolidate(self, ctx, adapters):
+        raise RuntimeError("a throwaway strategy consolidates nothing")
+'''
+
+
+def test_adding_a_strategy_with_settings_touches_6_files(tmp_path):
+    copy = tmp_path / "tree"
+    _copy_tree(copy)
+    # the recipe (docs/ARCHITECTURE.md, "Adding a strategy with settings")
+    (copy / "tracekit/methods/consolidate/echo_strategy.py").write_text(STRATEGY_MODULE)
+    init = copy / "tracekit/methods/consolidate/__init__.py"
+    _edit(init, "from tracekit.methods.consolidate.arrow import Arrow\n",
+          "from tracekit.methods.consolidate.arrow import Arrow\nfrom tracekit.methods.consolidate.echo_strategy import EchoStrategy\n")
+    _edit(init, "OnPolicyDistill(), Arrow())", "OnPolicyDistill(), Arrow(), EchoStrategy())")
+    (copy / "conf/consolidation/echo_strategy.yaml").write_text("method: echo_strategy\necho_strategy:\n  scale: 2.0\n")
+    _edit(copy / "sweeps/consolidation.yaml", "on_policy_distill,arrow\n", "on_policy_distill,arrow,echo_strategy\n")
+    _edit(copy / "docs/ARCHITECTURE.md", "<!-- registry: strategies -->\n| strategy | module | output | budget |\n|---|---|---|---|\n",
+          "<!-- registry: strategies -->\n| strategy | module | output | budget |\n|---|---|---|---|\n"
+          "| `echo_strategy` | `echo_strategy.py` | nothing | none |\n")
+    _edit(copy / "docs/ARCHITECTURE.md", "consolidate/: base (Strategy), ", "consolidate/: base (Strategy), echo_strategy, ")
+    _edit(copy / "README.md", "<!-- registry: strategies -->\n", "<!-- registry: strategies -->\n- `echo_strategy`: a throwaway strategy\n")
+    touched = _touched(copy)
+    assert touched == ["README.md", "conf/consolidation/echo_strategy.yaml", "docs/ARCHITECTURE.md",
+                       "sweeps/consolidation.yaml", "tracekit/methods/consolidate/__init__.py",
+                       "tracekit/methods/consolidate/echo_strategy.py"]
+    out = _run(copy, """
+        from pathlib import Path
+        from tests.conftest import compose_config
+        from tracekit.config import ConfigError
+        from tracekit.validate import validate
+        from tracekit.stages import build_pipeline
+        tmp = Path("runs")
+        cfg = compose_config(["consolidation=echo_strategy"], tmp)
+        validate(cfg)
+        assert cfg.consolidation.echo_strategy.scale == 2.0
+        for bad in ("consolidation.echo_strategy.scale=0", "consolidation.echo_strategy.order=size"):
+            try:
+                validate(compose_config(["consolidation=echo_strategy", bad], tmp))
+            except ConfigError as e:
+                print("refused:", e)
+            else:
+                raise SystemExit(f"{bad} was not refused")
+        assert "consolidation.echo_strategy" in build_pipeline().reads(cfg, "compose")
+        print("ok")
+    """)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    assert "refused: consolidation.echo_strategy.scale=0.0 is invalid: must be > 0" in out.stdout
+    assert "refused: consolidation.echo_strategy.order='size' is invalid: must be one of name, rank" in out.stdout
+    docs = _docs_checks(copy)
+    assert docs.returncode == 0, docs.stdout[-3000:] + docs.stderr[-2000:]
+
+
+@pytest.mark.parametrize("recipe", ["Adding a target", "Adding a method", "Adding a strategy"])
 def test_the_recipes_are_in_the_architecture_doc(recipe):
     assert f"**{recipe}" in (ROOT / "docs/ARCHITECTURE.md").read_text()

@@ -1,13 +1,13 @@
-"""The settings classes of the generic config groups (backbone, agent, user, grpo, moe, consolidation, llm, eval,
-rollout, logger, scale, paths), each declaring its rules (``RANGES`` / ``CHOICES``, :mod:`tracekit.ranges`);
+"""The settings classes of the generic config groups (backbone, agent, user, grpo, moe, llm, eval, rollout, logger,
+scale, paths), each declaring its rules (``RANGES`` / ``CHOICES``, :mod:`tracekit.ranges`);
 :class:`ConfigError`; and the helpers that read a config without the registries (the pinned dictionary, the imported
 labeling runs, an interpolation's message).
 
 The groups other modules own live with them (``thresholds``: :class:`tracekit.analysis.select.Thresholds`;
 ``analysis``, ``synthesis``: their packages' ``settings``; ``benchmark.<kind>``: each target; ``baselines.<name>``:
-each method), and :mod:`tracekit.schema` assembles the whole schema above the registries. Open groups are the
-schema's ``dict[str, Any]`` fields (``backbone.arch``, ``grpo.vllm``); ``llm.endpoints`` takes any name, each entry an
-:class:`EndpointConfig`.
+each method; ``consolidation.<mount>``: each strategy), and :mod:`tracekit.schema` assembles the whole schema above
+the registries. Open groups are the schema's ``dict[str, Any]`` fields (``backbone.arch``, ``grpo.vllm``);
+``llm.endpoints`` takes any name, each entry an :class:`EndpointConfig`.
 """
 
 from __future__ import annotations
@@ -29,14 +29,10 @@ from tracekit.llm.backbones import SOURCES as BACKBONE_SOURCE_KINDS
 from tracekit.llm.constrained import TOOL_CHOICES
 from tracekit.llm.decoding import PREFIX_CACHE_MIB
 from tracekit.llm.tools import CHAT_FORMATS
-from tracekit.merging.core_space import RANK_POLICIES
-from tracekit.merging.merges import MAJORITY_SIGNS
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.moe.layer import MOE_IMPLS
 from tracekit.ranges import DTYPES, Choice
-from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPORecipe, GRPOSettings
-from tracekit.rl.sft import SFTSettings
 
 
 class ConfigError(ValueError):
@@ -148,115 +144,6 @@ class MoeConfig(GateTrainConfig):
                                         "gate_init_std": ">= 0", "trajectories_per_capability": ">= 1"}
     CHOICES: ClassVar[dict[str, Choice]] = {"impl": MOE_IMPLS,
                                             "gate_data": TRAJECTORY_SETS}
-
-
-@dataclass
-class ConsolidationBudgetConfig:
-    episodes: int | None = None  # training episodes of strategies that train; None: the capability runs' summed
-
-    RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
-
-
-@dataclass
-class MergeConfig:
-    """merge_cat | merge_linear | merge_ties | merge_dare_ties (on the full dW, SVD re-factored)."""
-
-    weights: list[float] | None = None  # per capability, sorted by name; None: 1/T (linear) or 1 (TIES)
-    density: float = 0.2  # TIES: fraction of entries kept; DARE: keep probability
-    majority_sign: str = "total"  # total | frequency
-    rank: int | None = None  # SVD rank of the merged adapter; None: the sum of the ranks
-    lam: float = 1.0  # global scale of the merged update
-
-    RANGES: ClassVar[dict[str, str]] = {"weights": "[-10, 10]", "density": "(0, 1]", "rank": ">= 1", "lam": "> 0"}
-    CHOICES: ClassVar[dict[str, Choice]] = {"majority_sign": MAJORITY_SIGNS}
-
-
-@dataclass
-class CoreTSVConfig:
-    """merge_core_tsv: Core Space + TIES sign resolution + TSV-M in the core."""
-
-    lam: float = 0.2
-    density: float = 1.0
-    majority_sign: str = "total"
-    isotropize: bool = False
-    rank_policy: str = "full"  # full (all T*r core directions) | truncate (top r, before isotropizing)
-
-    RANGES: ClassVar[dict[str, str]] = {"lam": "> 0", "density": "(0, 1]"}
-    CHOICES: ClassVar[dict[str, Choice]] = {"majority_sign": MAJORITY_SIGNS, "rank_policy": RANK_POLICIES}
-
-
-@dataclass
-class SftConfig(SFTSettings):
-    """sft_synthetic: the SFT recipe's settings, plus which GRPO trajectories it trains on."""
-
-    data: str = "successes"  # successes (the paper) | all
-
-    CHOICES: ClassVar[dict[str, Choice]] = {**SFTSettings.CHOICES, "data": TRAJECTORY_SETS}
-
-
-@dataclass
-class ArrowConfig:
-    """arrow: training-free routing by each adapter's prototype (peft ArrowConfig; tracekit.moe.arrow)."""
-
-    top_k: int = 3  # adapters kept per token (peft's default; capped at the number of adapters, noted)
-    temperature: float = 1.0  # softmax temperature over the kept scores (peft's router_temperature)
-
-    RANGES: ClassVar[dict[str, str]] = {"top_k": ">= 1", "temperature": "> 0"}
-
-
-@dataclass
-class SoftTargetConfig:
-    """moe with gate_objective=soft_target: KL(target || gate) toward softmax(adapter rewards / temperature)."""
-
-    temperature: float = 0.1  # of the softmax over each environment's measured adapter rewards (in [0, 1])
-    seeds: int = 16  # instances per environment each adapter is measured on (greedy, disjoint from training seeds)
-
-    RANGES: ClassVar[dict[str, str]] = {"temperature": "> 0", "seeds": ">= 1"}
-
-
-@dataclass
-class GateGrpoConfig:
-    """moe with gate_objective=grpo: GRPO on the gates alone (official train/grpo_gater.py's defaults)."""
-
-    warm_start: str = "ce_lb"  # the gates GRPO starts from: ce_lb | soft_target
-    iterations: int = 10
-    groups: int = 4  # (environment, seed) groups per iteration (official --num-tasks)
-    group_size: int = 4  # rollouts per group (official --rollouts-per)
-    lr: float = 1.0e-3
-    clip_eps: float = 0.2
-    temperature: float = 0.9  # token sampling of the rollouts
-    hint_fraction: float = 0.5  # share of each group's rollouts shown the gold actions (never at evaluation)
-    updates: int = 2  # optimizer steps per iteration on its rollouts (the clip matters from the second)
-    max_grad_norm: float = 1.0
-
-    RANGES: ClassVar[dict[str, str]] = {
-        "iterations": ">= 1", "groups": ">= 1", "group_size": ">= 1", "lr": "> 0", "clip_eps": "(0, 1)",
-        "temperature": "[0, 2]", "hint_fraction": "[0, 1]", "updates": ">= 1", "max_grad_norm": ">= 0"}
-    CHOICES: ClassVar[dict[str, Choice]] = {"warm_start": ("ce_lb", "soft_target")}
-
-
-@dataclass
-class GateObjectiveConfig:
-    """The ``moe`` strategy's gate objective (issue 39): ce_lb (the paper's), soft_target or grpo."""
-
-    objective: str = "ce_lb"
-    soft_target: SoftTargetConfig = field(default_factory=SoftTargetConfig)
-    grpo: GateGrpoConfig = field(default_factory=GateGrpoConfig)
-
-    CHOICES: ClassVar[dict[str, Choice]] = {"objective": ("ce_lb", "soft_target", "grpo")}
-
-
-@dataclass
-class ConsolidationConfig:
-    method: str = "moe"  # a name of tracekit.methods.consolidate.STRATEGIES (conf/consolidation/<name>.yaml)
-    budget: ConsolidationBudgetConfig = field(default_factory=ConsolidationBudgetConfig)
-    merge: MergeConfig = field(default_factory=MergeConfig)
-    core_tsv: CoreTSVConfig = field(default_factory=CoreTSVConfig)
-    sft: SftConfig = field(default_factory=SftConfig)
-    distill: DistillSettings = field(default_factory=DistillSettings)  # iterations: from the budget
-    arrow: ArrowConfig = field(default_factory=ArrowConfig)
-    # moe's gate objective: in no key while ce_lb (the default: TRACE's keys as before), else in compose's reads
-    gate: GateObjectiveConfig = field(default_factory=GateObjectiveConfig)
 
 
 @dataclass

@@ -16,10 +16,10 @@ from hydra.core.config_store import ConfigStore
 
 from tracekit.analysis.select import Thresholds
 from tracekit.analysis.settings import AnalysisSettings
-from tracekit.config import (AgentConfig, BackboneConfig, ConsolidationConfig, EvalConfig, GrpoConfig, LlmConfig,
+from tracekit.config import (AgentConfig, BackboneConfig, EvalConfig, GrpoConfig, LlmConfig,
                              LoggerConfig, MoeConfig, PathsConfig, RolloutConfig, ScaleConfig, UserConfig)
 from tracekit.methods import METHODS, baselines_schema
-from tracekit.methods.consolidate import STRATEGIES
+from tracekit.methods.consolidate import consolidation_schema
 from tracekit.rl.settings import LauncherSettings
 from tracekit.stages import build_pipeline
 from tracekit.synthesis.settings import SynthesisConfig
@@ -30,17 +30,13 @@ def method_names() -> tuple[str, ...]:
     return tuple(METHODS)
 
 
-def strategy_names() -> tuple[str, ...]:
-    return tuple(STRATEGIES)
-
-
 def stage_names() -> tuple[str, ...]:
     return tuple(build_pipeline().stages)
 
 
-# the choices that name a registry's entries: declared here, where the registries are seen (the groups' classes
-# live below them)
-REGISTRY_CHOICES = {"stages": stage_names, "eval.methods": method_names, "consolidation.method": strategy_names}
+# the choices that name a registry's entries whose groups live below the registries: declared here, where they
+# are seen
+REGISTRY_CHOICES = {"stages": stage_names, "eval.methods": method_names}
 
 
 @cache
@@ -50,7 +46,7 @@ def config_schema() -> type:
         ("benchmark", benchmark_schema()), ("backbone", BackboneConfig), ("agent", AgentConfig),
         ("user", UserConfig), ("thresholds", Thresholds), ("analysis", AnalysisSettings),
         ("synthesis", SynthesisConfig), ("grpo", GrpoConfig), ("moe", MoeConfig),
-        ("consolidation", ConsolidationConfig), ("baselines", baselines_schema()), ("llm", LlmConfig),
+        ("consolidation", consolidation_schema()), ("baselines", baselines_schema()), ("llm", LlmConfig),
         ("eval", EvalConfig), ("rollout", RolloutConfig), ("launcher", LauncherSettings), ("logger", LoggerConfig),
         ("paths", PathsConfig)]
     return make_dataclass("Config", [

@@ -13,6 +13,9 @@ no GenKnowSub (TRACE has no general adapters). Budget: the capability runs', not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from tracekit.artifacts import Artifact, atomic_write_json
 from tracekit.config import ConfigError
 from tracekit.llm.backbones import load_backbone
@@ -21,8 +24,19 @@ from tracekit.moe.model import MoEConfig, build_lora_moe
 from tracekit.wiring import backbone_dict, device, dtype
 
 
+@dataclass
+class ArrowConfig:
+    """arrow: training-free routing by each adapter's prototype (peft ArrowConfig; tracekit.moe.arrow)."""
+
+    top_k: int = 3  # adapters kept per token (peft's default; capped at the number of adapters, noted)
+    temperature: float = 1.0  # softmax temperature over the kept scores (peft's router_temperature)
+
+    RANGES: ClassVar[dict[str, str]] = {"top_k": ">= 1", "temperature": "> 0"}
+
+
 class Arrow(Strategy):
     name = "arrow"
+    settings = ArrowConfig
     label = "Arrow"
 
     def reads(self, cfg):

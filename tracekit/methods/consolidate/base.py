@@ -9,11 +9,29 @@ notes for the table), which the stage records in ``consolidated.json``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.policy import Budget, Policy, PolicyKind, PolicyRow, budget_sum, grpo_budget
+
+
+@dataclass
+class ConsolidationBudgetConfig:
+    episodes: int | None = None  # training episodes of strategies that train; None: the capability runs' summed
+
+    RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
+
+
+@dataclass
+class ConsolidationSettings:
+    """The ``consolidation`` fields every strategy shares; each strategy's own settings are its
+    :attr:`Strategy.settings`, mounted at ``consolidation.<Strategy.mount>``
+    (:func:`tracekit.methods.consolidate.consolidation_schema` assembles the group)."""
+
+    method: str = "moe"  # a name of STRATEGIES (conf/consolidation/<name>.yaml)
+    budget: ConsolidationBudgetConfig = field(default_factory=ConsolidationBudgetConfig)
+
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -35,6 +53,8 @@ class Consolidated:
 class Strategy(ABC):
     name: str  # consolidation.method
     label: str  # its row in results tables
+    settings: type | None = None  # its settings class (declaring its RANGES / CHOICES), at consolidation.<mount>
+    mount: str = ""  # where ("": its name; strategies sharing settings share a mount: the merges)
     inputs: tuple[str, ...] = ()  # pipeline stages it reads beyond ``train``
 
     def reads(self, cfg: DictConfig) -> tuple[str, ...]:

@@ -34,8 +34,9 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,12 +51,56 @@ from tracekit.moe.gate import expert_logprobs
 from tracekit.moe.model import LoRAMoEModel
 from tracekit.pipeline import StageContext
 from tracekit.policy import Budget
+from tracekit.ranges import Choice
 from tracekit.rl import grpo
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.runs import package_identity, train_seeds
 from tracekit.synthesis.stage import open_package
 from tracekit.types import Message, Task, stable_hash
 from tracekit.wiring import backbone_dict, device, dtype, llm_agent, plain
+
+
+@dataclass
+class SoftTargetConfig:
+    """moe with gate_objective=soft_target: KL(target || gate) toward softmax(adapter rewards / temperature)."""
+
+    temperature: float = 0.1  # of the softmax over each environment's measured adapter rewards (in [0, 1])
+    seeds: int = 16  # instances per environment each adapter is measured on (greedy, disjoint from training seeds)
+
+    RANGES: ClassVar[dict[str, str]] = {"temperature": "> 0", "seeds": ">= 1"}
+
+
+@dataclass
+class GateGrpoConfig:
+    """moe with gate_objective=grpo: GRPO on the gates alone (official train/grpo_gater.py's defaults)."""
+
+    warm_start: str = "ce_lb"  # the gates GRPO starts from: ce_lb | soft_target
+    iterations: int = 10
+    groups: int = 4  # (environment, seed) groups per iteration (official --num-tasks)
+    group_size: int = 4  # rollouts per group (official --rollouts-per)
+    lr: float = 1.0e-3
+    clip_eps: float = 0.2
+    temperature: float = 0.9  # token sampling of the rollouts
+    hint_fraction: float = 0.5  # share of each group's rollouts shown the gold actions (never at evaluation)
+    updates: int = 2  # optimizer steps per iteration on its rollouts (the clip matters from the second)
+    max_grad_norm: float = 1.0
+
+    RANGES: ClassVar[dict[str, str]] = {
+        "iterations": ">= 1", "groups": ">= 1", "group_size": ">= 1", "lr": "> 0", "clip_eps": "(0, 1)",
+        "temperature": "[0, 2]", "hint_fraction": "[0, 1]", "updates": ">= 1", "max_grad_norm": ">= 0"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"warm_start": ("ce_lb", "soft_target")}
+
+
+@dataclass
+class GateObjectiveConfig:
+    """The ``moe`` strategy's gate objective (issue 39): ce_lb (the paper's), soft_target or grpo."""
+
+    objective: str = "ce_lb"
+    soft_target: SoftTargetConfig = field(default_factory=SoftTargetConfig)
+    grpo: GateGrpoConfig = field(default_factory=GateGrpoConfig)
+
+    CHOICES: ClassVar[dict[str, Choice]] = {"objective": ("ce_lb", "soft_target", "grpo")}
+
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import padding_id
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
-from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, measure_rewards,
+from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, GateObjectiveConfig, measure_rewards,
                                                           train_gates_grpo)
 from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, mix_uniformly, soft_targets,
                                split_heldout, train_gates, train_gates_soft_target, write_log_csv)
@@ -56,6 +56,8 @@ def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
 
 class LoRAMoE(Strategy):
     name = "moe"
+    # the gate objective: in no key while ce_lb (the default: TRACE's keys as before), else in compose's reads
+    settings, mount = GateObjectiveConfig, "gate"
     label = "TRACE"
 
     def row_label(self, cfg) -> str:

@@ -24,6 +24,7 @@ from tracekit.wiring import backbone_dict, device, dtype
 
 class OnPolicyDistill(Strategy):
     name = "on_policy_distill"
+    settings, mount = DistillSettings, "distill"  # iterations: from consolidation.budget
     label = "On Policy Distillation"
     inputs = ("synthesize",)
 

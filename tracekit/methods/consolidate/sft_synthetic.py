@@ -4,18 +4,33 @@ Successful ones by default (``consolidation.sft.data``); the data costs no new e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from tracekit.artifacts import Artifact
+from tracekit.config import TRAJECTORY_SETS
 from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import padding_id
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.policy import Budget
+from tracekit.ranges import Choice
 from tracekit.rl.sft import SFTSettings, sft_examples, train_sft
 from tracekit.wiring import backbone_dict, device, dtype
+
+
+@dataclass
+class SftConfig(SFTSettings):
+    """sft_synthetic: the SFT recipe's settings, plus which GRPO trajectories it trains on."""
+
+    data: str = "successes"  # successes (the paper) | all
+
+    CHOICES: ClassVar[dict[str, Choice]] = {**SFTSettings.CHOICES, "data": TRAJECTORY_SETS}
 
 
 class SFTSynthetic(Strategy):
     name = "sft_synthetic"
     label = "SFT Synthetic"
+    settings, mount = SftConfig, "sft"
 
     def reads(self, cfg):
         return ("consolidation.sft",)
