@@ -1,7 +1,8 @@
 """The whole config's schema, assembled above the registries: the groups' owners (:mod:`tracekit.config` and the
 analysis, synthesis and selection packages), the ``benchmark`` group from the targets registry
-(:func:`tracekit.targets.benchmark_schema`) and the ``baselines`` group from the methods registry
-(:func:`tracekit.methods.baselines_schema`). Hydra composes ``conf/config.yaml`` over it, so a typo'd key or a
+(:func:`tracekit.targets.benchmark_schema`), the ``baselines`` group from the methods registry
+(:func:`tracekit.methods.baselines_schema`) and the ``consolidation`` group from the strategies registry
+(:func:`tracekit.methods.consolidate.consolidation_schema`). Hydra composes ``conf/config.yaml`` over it, so a typo'd key or a
 wrongly typed value fails at composition; :func:`tracekit.validate.validate` checks every value against the rules the
 owners declare (:func:`tracekit.ranges.declared`).
 """
