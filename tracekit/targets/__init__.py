@@ -81,11 +81,11 @@ def benchmark_schema() -> type:
 COMMON_FIELDS = tuple(f.name for f in fields(BenchmarkSettings))
 
 
-def benchmark_reads(cfg: DictConfig, prefix: str = "benchmark") -> tuple[str, ...]:
+def benchmark_reads(cfg: DictConfig) -> tuple[str, ...]:
     """The benchmark keys a run of ``cfg`` depends on: the common fields and its target's own settings."""
     t = target_of(cfg)
-    own = (f"{prefix}.{t.mount_name()}",) if t.settings is not None else ()
-    return (*(f"{prefix}.{f}" for f in COMMON_FIELDS), *own)
+    own = (f"benchmark.{t.mount_name()}",) if t.settings is not None else ()
+    return (*(f"benchmark.{f}" for f in COMMON_FIELDS), *own)
 
 
 def family_reads(cfg: DictConfig) -> tuple[str, ...]:
