@@ -203,10 +203,143 @@ def _standin(tmp_path, tok, *flags: str) -> VLLMSettings:
     return VLLMSettings(model_path=str(tmp_path / "base"), command=cmd, concurrency=2, startup_timeout_s=180)
 
 
-def test_a_server_of_another_vllm_version_is_refused_before_any_rollout(tok, tmp_path):
+class _Launched:
+    """Records the processes VLLMServer launches (subprocess.Popen as the client calls it)."""
+
+    def __init__(self, monkeypatch):
+        import tracekit.rl.vllm_client as vc
+
+        self.procs: list = []
+        real = vc.subprocess.Popen
+
+        def popen(*a, **kw):
+            self.procs.append(real(*a, **kw))
+            return self.procs[-1]
+
+        monkeypatch.setattr(vc.subprocess, "Popen", popen)
+
+    def groups_gone(self) -> bool:
+        import os
+
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, 0)
+                return False
+            except ProcessLookupError:
+                continue
+        return bool(self.procs)
+
+
+def test_a_server_of_another_vllm_version_is_refused_before_any_rollout(tok, tmp_path, monkeypatch):
+    launched = _Launched(monkeypatch)
     with pytest.raises(EndpointError, match=r"is vLLM 0\.25\.1; tracekit's vLLM client supports vLLM 0\.26\.0") as e:
         VLLMEngine(_standin(tmp_path, tok, "--version", "0.25.1"), tok, tmp_path / "work")
     assert "\n" not in str(e.value)
+    assert launched.groups_gone()  # the refused server tracekit started is stopped (it outlived the suite before)
+
+
+# A stand-in server that is cheap to start (no model): /health, /version, /v1/models, /metrics with ENGINES engines;
+# it starts a child that stays in its process group, as vLLM's engine core does, and writes the child's pid.
+_CHEAP_SERVER = """
+import http.server, json, subprocess, sys
+port, engines, child_pid_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(child_pid_file, "w").write(str(child.pid))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        out = {"/health": "", "/version": json.dumps({"version": "0.26.0"}),
+               "/v1/models": json.dumps({"data": [{"id": "base", "parent": None}]}),
+               "/metrics": "".join(f'vllm:num_requests_running{{engine="{i}"}} 0.0\\n' for i in range(engines))}[self.path]
+        self.send_response(200); self.send_header("Content-Length", str(len(out))); self.end_headers()
+        self.wfile.write(out.encode())
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _cheap(tmp_path, engines: int = 1, **kw) -> VLLMSettings:
+    script = tmp_path / "cheap_server.py"
+    script.write_text(_CHEAP_SERVER)
+    cmd = (sys.executable, str(script), "{port}", str(engines), str(tmp_path / "child.pid"))
+    return VLLMSettings(model_path="unused", command=cmd, startup_timeout_s=60, **kw)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_a_data_parallel_server_is_refused_in_one_line_and_stopped(tok, tmp_path, monkeypatch):
+    launched = _Launched(monkeypatch)
+    with pytest.raises(EndpointError, match=r"is data-parallel \(2 engines in GET /metrics\): a runtime LoRA load reaches one replica") as e:
+        VLLMEngine(_cheap(tmp_path, engines=2), tok, tmp_path / "work")
+    assert "\n" not in str(e.value) and launched.groups_gone()
+    assert not _alive(int((tmp_path / "child.pid").read_text()))  # the server's child (its engine core) too
+    for extra in (("--data-parallel-size", "2"), ("-dp=4",)):  # asked for in the command: refused before any start
+        with pytest.raises(EndpointError, match=r"^grpo\.vllm data-parallel size \d is invalid: a runtime LoRA load"):
+            VLLMEngine(VLLMSettings(model_path="/m", extra_args=extra, max_lora_rank=8), tok, tmp_path / "w2")
+    assert len(launched.procs) == 1
+
+
+def test_float32_with_lora_is_refused_before_a_server_starts(tok, tmp_path, monkeypatch):
+    launched = _Launched(monkeypatch)
+    with pytest.raises(EndpointError, match=r"^grpo\.vllm\.dtype=float32 is invalid: vLLM 0\.26\.0 serves LoRA adapters in bfloat16 / float16 only"):
+        VLLMEngine(VLLMSettings(model_path="/m", dtype="float32", max_lora_rank=8), tok, tmp_path / "work")
+    assert launched.procs == []
+
+
+def test_every_exit_ends_the_servers_process_group(tok, tmp_path):
+    """close(), the interpreter's exit after an error or Ctrl-C (atexit), and the pid file a shell reads after a
+    SIGKILL (TRACEKIT_SERVER_PIDS)."""
+    import os
+    import signal
+    import subprocess
+
+    eng = VLLMEngine(_cheap(tmp_path), tok, tmp_path / "work")
+    child = int((tmp_path / "child.pid").read_text())
+    assert _alive(child)
+    eng.close()
+    assert not _alive(child) and eng.proc is None
+    pids = tmp_path / "pids"
+    for how in ("raise SystemExit(3)", "raise KeyboardInterrupt", "os.kill(os.getpid(), signal.SIGKILL)"):
+        code = ("import os, signal, sys, pathlib; sys.path.insert(0, sys.argv[1])\n"
+                "from tracekit.rl.vllm_client import VLLMServer, VLLMSettings\n"
+                f"s = VLLMSettings(model_path='unused', command={_cheap(tmp_path).command!r}, startup_timeout_s=60)\n"
+                "VLLMServer(s, pathlib.Path(sys.argv[2])).start()\n" + how)
+        r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[1]), str(tmp_path / "w")],
+                           env=dict(os.environ, TRACEKIT_SERVER_PIDS=str(pids)), capture_output=True, text=True, timeout=120)
+        child = int((tmp_path / "child.pid").read_text())
+        if "SIGKILL" not in how:
+            assert r.returncode != 0 and not _alive(child), (how, r.stderr[-500:])
+            assert list(pids.iterdir()) == []  # stopped: its pid file removed
+        else:  # nothing in the process ran: the pid file names the group for the caller to end
+            (f,) = list(pids.iterdir())
+            assert _alive(child)
+            os.killpg(int(f.read_text()), signal.SIGKILL)
+            f.unlink()
+
+
+def test_max_lora_rank_defaults_to_the_adapters_rank(tok, tmp_path):
+    from tracekit.rl.vllm_client import check_recipe, served_rank
+
+    assert [served_rank(r) for r in (1, 4, 8, 16, 17, 64)] == [1, 8, 8, 16, 32, 64]
+    eng = VLLMEngine(_cheap(tmp_path), tok, tmp_path / "work", lora_rank=4)
+    try:
+        assert eng.s.max_lora_rank == 8
+        full = VLLMServer(VLLMSettings(model_path="/m", max_lora_rank=eng.s.max_lora_rank), tmp_path).argv(8000)
+        assert full[full.index("--max-lora-rank") + 1] == "8"
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match=r"^grpo\.vllm\.max_lora_rank is unset"):
+        VLLMServer(VLLMSettings(model_path="/m"), tmp_path).argv(8000)
+    with pytest.raises(ValueError, match=r"^grpo\.vllm\.max_lora_rank=12 is invalid: vLLM accepts 1, 8, 16"):
+        check_recipe(VLLMSettings(model_path="/m", max_lora_rank=12), 8, 1.0, "recompute")
+    check_recipe(VLLMSettings(model_path="/m"), 16, 1.0, "recompute")  # unset: taken from the rank, no error
 
 
 def test_base_rollouts_then_a_server_without_lora_is_one_line(tok, tmp_path):

@@ -21,6 +21,8 @@ one transformers import. State lives in the process: a restart forgets every loa
 ``--log FILE`` appends one JSON line per request (endpoint and body) for the tests to inspect.
 ``--no-lora`` answers an adapter load as vLLM 0.26 started without ``--enable-lora`` does (500, "LoRA is not
 enabled"); ``--no-runtime-lora`` as one without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (the route absent: 404).
+``GET /metrics`` answers with one gauge per engine as vLLM's Prometheus logger labels them (``engine="0"``, ...);
+``--metrics-engines N`` names N engines, as a data-parallel server of N replicas does.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def main() -> None:
     ap.add_argument("--version", default="0.26.0")
     ap.add_argument("--no-lora", action="store_true")
     ap.add_argument("--no-runtime-lora", action="store_true")
+    ap.add_argument("--metrics-engines", type=int, default=1)
     args, _ = ap.parse_known_args()  # vLLM's other flags are accepted and ignored
     srv = Server(args.model, args.log, lora=not args.no_lora)
     lora_routes = () if args.no_runtime_lora else ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -163,6 +166,9 @@ def main() -> None:
                 self._send(200, "")
             elif self.path == "/version":
                 self._send(200, {"version": args.version})
+            elif self.path == "/metrics":
+                self._send(200, "".join(f'vllm:num_requests_running{{engine="{i}",model_name="{srv.name}"}} 0.0\n'
+                                        for i in range(args.metrics_engines)))
             elif self.path == "/v1/models":
                 data = [{"id": srv.name, "object": "model", "root": srv.name, "parent": None}]
                 data += [{"id": n, "object": "model", "root": n, "parent": srv.name} for n in srv.adapters]

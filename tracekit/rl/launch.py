@@ -216,7 +216,8 @@ def _engine_factory(spec: TrainSpec, dist: Dist) -> Callable[[torch.nn.Module, A
         s = VLLMSettings(**{k: v for k, v in spec.engine.items() if k != "kind"})
         check_recipe(s, spec.grpo.lora.rank, spec.grpo.temperature, spec.grpo.old_logprobs)  # validate() checks it too
         work = Path(spec.out_dir) / "vllm"
-        return lambda model, tok: VLLMEngine(s, tok, work, chat_format=spec.chat_format, max_prompt_tokens=spec.grpo.max_prompt_tokens)
+        return lambda model, tok: VLLMEngine(s, tok, work, chat_format=spec.chat_format, max_prompt_tokens=spec.grpo.max_prompt_tokens,
+                                             lora_rank=spec.grpo.lora.rank)
     raise ValueError(f"grpo.engine={kind!r} is invalid: must be hf, agent or vllm")
 
 

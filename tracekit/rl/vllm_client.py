@@ -15,7 +15,12 @@ with ``grpo.tis_cap`` (truncated importance sampling) corrects.
 The server must be the vLLM release this client was written and checked against (``SUPPORTED_VLLM``, read from
 ``GET /version`` before any rollout; ``vllm_version`` names another at the user's risk), and it must serve LoRA
 adapters at runtime (``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): either missing is one
-line, not a failed rollout.
+line, not a failed rollout. Refused too, in one line before any rollout (vllm#42125, trl#7017): a data-parallel
+server (``--data-parallel-size`` > 1 in the command, or ``GET /metrics`` naming more than one engine: a runtime
+adapter load reaches one replica only, so the others would roll out the stale policy), and float32 with LoRA
+(vLLM 0.26's Triton LoRA kernels take float16 / bfloat16 only: the server would die while profiling).
+``max_lora_rank`` defaults to the adapters' rank (``grpo.lora.rank``) rounded up to a rank vLLM accepts: the
+server sizes its LoRA buffers by it, so 64 for an r 8 adapter wastes memory and LoRA kernel time.
 
 Server lifecycle (:class:`VLLMServer`):
 
@@ -25,6 +30,12 @@ Server lifecycle (:class:`VLLMServer`):
   update under ``grpo.release_rollout_memory``) stops the server, so the update has the GPU to itself, and
   the next ``sync`` starts it again and loads the new adapter: a server restart between iterations;
   ``restart_every`` restarts it every n iterations whatever else happens;
+- ending: a launched server runs in its own process group (its engine core and workers with it), and every
+  exit path ends that whole group: ``close()``, a refusal after the start (another version, data-parallel), a
+  failed start, the interpreter's exit (``atexit``, which also runs after Ctrl-C / SIGINT). A kill no handler
+  sees (SIGKILL at a call's limit) is covered by ``TRACEKIT_SERVER_PIDS``: where set, each launched server writes
+  its process group id there (one file, removed when it is stopped), for the caller's shell to end
+  (``benchmarks/gpu_run.sh``);
 - recovery: a request that finds the server gone (connection refused) restarts a managed server (or waits
   for an external one to come back), and one that finds the adapter unknown (404 after a restart nobody
   told the engine about) loads the current adapter again; then the request is retried, up to
@@ -33,9 +44,12 @@ Server lifecycle (:class:`VLLMServer`):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -57,6 +71,11 @@ log = logging.getLogger(__name__)
 # H200). The completions fields it relies on (return_tokens_as_token_ids, return_token_ids, prompt token ids) and the
 # runtime LoRA routes changed shape across releases, so another version is refused unless named in vllm_version.
 SUPPORTED_VLLM = "0.26.0"
+# The ranks `vllm serve --max-lora-rank` accepts (vLLM 0.26 LoRAConfig); an adapter of rank r is served under the
+# smallest one >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# dtypes vLLM 0.26's LoRA kernels run in (vllm/lora/ops/triton_ops/lora_expand_op.py asserts fp16 / bf16)
+LORA_DTYPES = ("bfloat16", "float16", "half", "auto")
 
 VLLM_COMMAND = (
     "vllm", "serve", "{model}", "--host", "{host}", "--port", "{port}", "--enable-lora", "--max-lora-rank", "{max_lora_rank}",
@@ -69,7 +88,7 @@ class VLLMSettings:
     model_path: str  # the backbone as a local HF folder (the server loads it itself)
     host: str = "127.0.0.1"
     port: int | None = None  # None: a free port (a fresh one at every restart)
-    max_lora_rank: int = 64
+    max_lora_rank: int | None = None  # None: the adapters' rank rounded up to a VLLM_LORA_RANKS entry (see served_rank)
     gpu_memory_utilization: float = 0.5  # the trainer shares the GPU
     dtype: str = "bfloat16"
     max_model_len: int = 32768
@@ -102,16 +121,61 @@ def vllm_settings(options: dict[str, Any]) -> VLLMSettings:
     return VLLMSettings(**options)
 
 
+def served_rank(lora_rank: int) -> int:
+    """The ``--max-lora-rank`` that serves adapters of ``lora_rank``: the smallest rank vLLM accepts that holds it."""
+    for r in VLLM_LORA_RANKS:
+        if r >= lora_rank:
+            return r
+    raise ValueError(f"grpo.lora.rank={lora_rank} is invalid with grpo.engine=vllm: vLLM serves LoRA ranks up to "
+                     f"{VLLM_LORA_RANKS[-1]}")
+
+
+def data_parallel_size(argv: Sequence[str]) -> int:
+    """The ``--data-parallel-size`` / ``-dp`` a server command line asks for (1 where it names none)."""
+    size = 1
+    for i, a in enumerate(argv):
+        key, eq, val = str(a).partition("=")
+        if key in ("--data-parallel-size", "-dp", "--data_parallel_size"):
+            val = val if eq else (str(argv[i + 1]) if i + 1 < len(argv) else "")
+            size = int(val) if val.isdigit() else size
+    return size
+
+
+def check_settings(s: VLLMSettings) -> None:
+    """What the server settings alone must satisfy before any server is started (ValueError, one line)."""
+    if s.dtype not in LORA_DTYPES:
+        raise ValueError(f"grpo.vllm.dtype={s.dtype} is invalid: vLLM {SUPPORTED_VLLM} serves LoRA adapters in "
+                         f"{' / '.join(LORA_DTYPES[:2])} only (its Triton LoRA kernels; the server would exit while profiling)")
+    if s.max_lora_rank is not None and s.max_lora_rank not in VLLM_LORA_RANKS:
+        raise ValueError(f"grpo.vllm.max_lora_rank={s.max_lora_rank} is invalid: vLLM accepts {', '.join(map(str, VLLM_LORA_RANKS))}")
+    dp = data_parallel_size([*s.command, *s.extra_args])
+    if dp > 1:
+        raise ValueError(f"grpo.vllm data-parallel size {dp} is invalid: a runtime LoRA load reaches one data-parallel "
+                         "replica only (vllm#42125), so the others would roll out a stale policy; serve one replica "
+                         "(tensor parallel is fine) or one server per GPU")
+
+
 def check_recipe(s: VLLMSettings, lora_rank: int, temperature: float, old_logprobs: str) -> None:
-    """The rules a vLLM rollout engine puts on the GRPO recipe (ValueError, one line): the server must take the
-    adapter's rank, and a tempered sampler's log-probs must be recomputed (vLLM reports those of the untempered
-    logits by default, so the importance ratio would be biased)."""
-    if s.max_lora_rank < lora_rank:
+    """The rules a vLLM rollout engine puts on the GRPO recipe (ValueError, one line): the settings' own
+    (:func:`check_settings`), the server must take the adapter's rank, and a tempered sampler's log-probs must be
+    recomputed (vLLM reports those of the untempered logits by default, so the importance ratio would be biased)."""
+    check_settings(s)
+    if s.max_lora_rank is not None and s.max_lora_rank < lora_rank:
         raise ValueError(f"grpo.vllm.max_lora_rank={s.max_lora_rank} is invalid: must be >= grpo.lora.rank={lora_rank}"
                          " (the server refuses a larger adapter)")
+    served_rank(lora_rank)
     if temperature != 1.0 and old_logprobs == "rollout":
         raise ValueError(f"grpo.old_logprobs='rollout' is invalid: must be recompute with grpo.engine=vllm and "
                          f"grpo.temperature={temperature} != 1 (vLLM reports the untempered log-probs)")
+
+
+_LIVE: set[VLLMServer] = set()  # launched servers not stopped yet: ended at the interpreter's exit
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_LIVE):
+        server.stop()
 
 
 class VLLMServer:
@@ -131,6 +195,8 @@ class VLLMServer:
             gpu_memory_utilization=self.s.gpu_memory_utilization, max_model_len=self.s.max_model_len,
         )  # fmt: skip
         template = list(self.s.command) if self.s.command else [*VLLM_COMMAND, *self.s.extra_args]
+        if self.s.max_lora_rank is None and any("{max_lora_rank}" in str(a) for a in template):
+            raise ValueError("grpo.vllm.max_lora_rank is unset: give it, or the adapters' rank (VLLMEngine lora_rank=)")
         return [str(a).format(**values) for a in template]
 
     @property
@@ -150,13 +216,43 @@ class VLLMServer:
         logf = open(self.work_dir / "vllm_server.log", "ab")  # noqa: SIM115 - the child keeps it open
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **self.s.env)
         log.info("starting %s", " ".join(argv))
-        self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        # its own process group: stop() ends the server with its engine core and workers
+        self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         logf.close()
+        _LIVE.add(self)
+        self._write_pid_file()
         self.url = f"http://{self.s.host}:{port}"
         self.starts += 1
-        self.wait_healthy()
-        self.check_version()
+        try:
+            self.wait_healthy()
+            self.check_version()
+        except BaseException:  # refused or not healthy: a server tracekit started does not outlive the refusal
+            self.stop()
+            raise
         return self.url
+
+    def _pid_file(self) -> Path | None:
+        where = os.environ.get("TRACEKIT_SERVER_PIDS")
+        return Path(where) / f"vllm-{os.getpid()}-{id(self):x}.pgid" if where and self.proc is not None else None
+
+    def _write_pid_file(self) -> None:
+        if (f := self._pid_file()) is not None:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(f"{self.proc.pid}\n")
+
+    def check_data_parallel(self) -> None:
+        """Refuse (one line) a server whose ``GET /metrics`` names more than one engine: a data-parallel server, where
+        a runtime adapter load reaches one replica only (vllm#42125). A server without /metrics is taken as one."""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.url}/metrics", timeout=30)
+        except httpx.HTTPError:
+            return
+        engines = set(re.findall(r'engine="([^"]+)"', r.text)) if r.status_code == 200 else set()
+        if len(engines) > 1:
+            raise EndpointError(f"inference server at {self.url} is data-parallel ({len(engines)} engines in GET /metrics): "
+                                "a runtime LoRA load reaches one replica only (vllm#42125); serve one replica")
 
     def check_version(self) -> str:
         """The server's vLLM version (``GET /version``), refused in one line unless it is ``vllm_version``."""
@@ -197,18 +293,42 @@ class VLLMServer:
         raise EndpointError(f"inference server not healthy after {self.s.startup_timeout_s:.0f}s at {self.url}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """End the server's whole process group (SIGTERM, SIGKILL after 30 s): vLLM's engine core and workers are
+        its children, and one left behind holds the GPU's memory."""
+        if self.proc is not None:
+            pgid = self.proc.pid  # the group leader (start_new_session)
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+                if not _group_alive(pgid, wait):
+                    break
+            if (f := self._pid_file()) is not None:
+                f.unlink(missing_ok=True)
+        _LIVE.discard(self)
         self.proc = None
 
     def restart(self) -> str:
         self.stop()
         return self.start()
+
+
+def _group_alive(pgid: int, wait_s: float) -> bool:
+    """Whether processes of group ``pgid`` remain after waiting up to ``wait_s`` for them to exit."""
+    t0 = time.time()
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.time() - t0 > wait_s:
+            return True
+        time.sleep(0.1)
 
 
 class _AdapterGone(Exception):
@@ -221,10 +341,21 @@ class VLLMEngine:
     kind = "vllm"
 
     def __init__(
-        self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, chat_format: str = "qwen3", max_prompt_tokens: int = 32000
+        self, settings: VLLMSettings, tokenizer: Any, work_dir: str | Path, *, chat_format: str = "qwen3",
+        max_prompt_tokens: int = 32000, lora_rank: int | None = None,
     ):
+        """``lora_rank``: the adapters' rank, the server's ``--max-lora-rank`` where the settings leave it unset.
+        Every refusal (settings, version, data-parallel) comes before any rollout and stops a server it started."""
+        import dataclasses
+
         import httpx
 
+        try:
+            check_settings(settings)
+        except ValueError as e:
+            raise EndpointError(str(e)) from None
+        if settings.max_lora_rank is None and lora_rank is not None:
+            settings = dataclasses.replace(settings, max_lora_rank=served_rank(lora_rank))
         self.s = settings
         self.work_dir = Path(work_dir)
         self.server = VLLMServer(settings, self.work_dir)
@@ -235,10 +366,15 @@ class VLLMEngine:
         self._lock = threading.Lock()  # one recovery at a time (requests run in a thread pool)
         self._recoveries = 0
         self.base_url = self.server.start()
-        if not self.server.managed:  # a managed server was checked as it started
-            self.server.check_version()
         self.http = httpx.Client(timeout=settings.request_timeout_s)
-        self.base_model = self._served_base()
+        try:
+            if not self.server.managed:  # a managed server was checked as it started
+                self.server.check_version()
+            self.server.check_data_parallel()
+            self.base_model = self._served_base()
+        except BaseException:
+            self.close()
+            raise
         self.serve_base = False  # True: requests go to the base model until the first sync (see use_base)
         self.client = PolicyChat(
             tokenizer,
