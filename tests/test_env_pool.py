@@ -484,12 +484,28 @@ def _rollout_stage(cfg, cache, run_dir):
     return episodes, trajectories_of(art)
 
 
+RETRY_HISTORY_KEYS = frozenset({"retried", "infra_errors"})  # a rollout's summary.json: the failures it ran again
+
+
+def cache_but_timing(cache):
+    """tests/test_kill_resume.py's view of a cache (every file, timing fields and a rollout's own history left out),
+    the infrastructure failures a rollout ran again (its history too) left out of its summary.json."""
+    from tests.test_kill_resume import cache_view
+
+    view = cache_view(cache)
+    for rel, content in view.items():
+        if rel.startswith("episodes/") and rel.endswith("/summary.json"):
+            view[rel] = {k: v for k, v in content.items() if k not in RETRY_HISTORY_KEYS}
+    return view
+
+
 def test_a_worker_killed_mid_episode_is_run_again_and_the_cached_rollout_holds_no_worker_error(make_cfg, tmp_path,
                                                                                                 monkeypatch):
     """The rollout stage on library environments (tau2_mini) with the gold agent and 2 env workers: after the first
     reset (every episode live in a worker) one worker is SIGKILLed. Its episodes end with WorkerDied, run again,
-    and the cached artifact holds the clean run's trajectories (an in-process run's, the retried ones last), no error; its summary.json
-    counts the retried episodes; the next run is a cache hit."""
+    and the cached artifact holds the clean run's trajectories (an in-process run's, in its order: the retried ones in
+    their places), no error; apart from timing and the run's own history its files are the clean run's, byte for
+    byte; its summary.json counts the retried episodes; the next run is a cache hit."""
     import multiprocessing as mp
     import signal
 
@@ -526,6 +542,10 @@ def test_a_worker_killed_mid_episode_is_run_again_and_the_cached_rollout_holds_n
 
     monkeypatch.setattr(R, "build_agent", real)
     serial_eps, serial = _rollout_stage(make_cfg(*overrides, "rollout.env_workers=0"), tmp_path / "c0", tmp_path / "r0")
-    assert sorted(map(_view, trajs)) == sorted(map(_view, serial)) and serial_eps.key == episodes.key  # the retried: last
+    assert list(map(_view, trajs)) == list(map(_view, serial)) and serial_eps.key == episodes.key
+    from tests.test_kill_resume import _diff
+
+    problems = _diff(cache_but_timing(tmp_path / "c0"), cache_but_timing(tmp_path / "cache"))
+    assert not problems, "\n".join(problems[:20])
     again, _ = _rollout_stage(cfg, tmp_path / "cache", tmp_path / "run2")  # a hit: nothing is rolled out again
     assert again.path == episodes.path and read_json(again.path / "summary.json") == summary

@@ -20,6 +20,13 @@ coding sandbox could not run) ends ``infra_error`` and is never yielded: :func:`
 again from scratch (same task, sample and seed, so a clean retry is the episode a clean run would have
 played), at most ``infra_retries`` times, then raises :class:`InfraFailure` naming the task. A yielded run
 says how often it was retried (``EpisodeRun.retries``, the causes in ``infra_errors``).
+
+A retry keeps the yield order a clean run has: a retried run takes its original place, not the last one (the
+rollout file's row order feeds the labeler's seeded noise and the gate's data, so a clean run and one with a killed
+worker must write the same file). The order of a clean run is a function of each run's own ending (the phase of
+the loop it ended in and how many rounds it lived, :func:`clean_order`); runs ended before the first failure are
+yielded as they end (that is the clean order's prefix: the schedule has not diverged yet), the rest once every run
+has ended, in the clean order.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ CONTEXT_OVERFLOW = "context_overflow"
 ERROR = "error"
 INFRA_ERROR = "infra_error"  # the infrastructure failed (never yielded: retried, or InfraFailure)
 INFRA_RETRIES = 2  # rollout.infra_retries' default: runs of an episode after its first ends on an infra failure
+# the phases of one round of drive_episodes' loop a run can end in, in the order it yields them
+ENDED_AT_OPEN, ENDED_AT_CHECK, ENDED_AT_STEP = "open", "check", "step"
 
 
 class InfraFailure(RuntimeError):
@@ -204,6 +213,34 @@ class EpisodeRun:
 Act = Callable[[list[EpisodeRun]], list[ChatResponse | Exception]]
 
 
+def clean_order(endings: list[tuple[str, int]], batch_size: int) -> list[int]:
+    """The order :func:`drive_episodes` yields runs in when none is retried, from each run's ending alone.
+
+    ``endings[j]`` is run ``j``'s (in the order the runs are opened) ``(phase, rounds)``: the phase of a round it
+    ended in (:data:`ENDED_AT_OPEN`: the suite could not build it; :data:`ENDED_AT_CHECK`: at reset or at the budget
+    checks before an action; :data:`ENDED_AT_STEP`: at its action or the step after it) and the rounds from the one
+    it was opened in to that one. Neither depends on the schedule (each live run acts once per round), so this
+    replays the loop's slot filling: a slot freed in a round is refilled in the next; within a phase runs end in
+    the order they were opened."""
+    order: list[int] = []
+    live: list[tuple[int, int, str]] = []  # (run, the round it ends in, the phase), in opening order
+    nxt, rnd = 0, 0
+    while True:
+        while len(live) < batch_size and nxt < len(endings):
+            phase, rounds = endings[nxt]
+            if phase == ENDED_AT_OPEN:
+                order.append(nxt)
+            else:
+                live.append((nxt, rnd + rounds, phase))
+            nxt += 1
+        if not live:
+            return order
+        for phase in (ENDED_AT_CHECK, ENDED_AT_STEP):
+            order += [j for j, end, p in live if p == phase and end == rnd]
+            live = [x for x in live if not (x[2] == phase and x[1] == rnd)]
+        rnd += 1
+
+
 def drive_episodes(
     suite: EnvSuite,
     runs: Iterable[EpisodeRun],
@@ -226,7 +263,9 @@ def drive_episodes(
     decode the scoring overlaps), in the same order, and with the same slots refilled, as in-process.
 
     A run that ends on an infrastructure failure (``infra_error``) is not yielded: it is restarted and opened
-    again before the next new run, up to ``infra_retries`` times; one more failure raises :class:`InfraFailure`.
+    again before the next new run, up to ``infra_retries`` times; one more failure raises :class:`InfraFailure`
+    (after yielding the runs held back for their order, so a resumable file keeps them). The runs are yielded in
+    the order a clean run yields them, retried or not (the module docstring).
     """
     if infra_retries < 0:
         raise ValueError(f"infra_retries must be >= 0, got {infra_retries}")
@@ -235,8 +274,24 @@ def drive_episodes(
     retry: deque[EpisodeRun] = deque()  # runs to play again (an infrastructure failure), before the queue's next
     live: list[EpisodeRun] = []
     ended: list[EpisodeRun] = []  # ended, not yet yielded (in the order they ended)
+    opened: dict[EpisodeRun, int] = {}  # run -> its place in the opening order (a retried run keeps its first)
+    opened_in: dict[EpisodeRun, int] = {}  # run -> the round its current attempt was opened in
+    endings: dict[EpisodeRun, tuple[str, int]] = {}  # run -> (phase, rounds) of its last ending, for clean_order
+    yielded: list[EpisodeRun] = []
+    held: list[EpisodeRun] | None = None  # after the first infrastructure failure: ended, yielded in clean order
+    rnd = 0
 
-    def flush() -> list[EpisodeRun]:
+    def end_in(phase: str, rs: Iterable[EpisodeRun]) -> None:
+        for r in rs:
+            endings[r] = (phase, rnd - opened_in[r])
+            ended.append(r)
+
+    def emit(rs: list[EpisodeRun]) -> Iterator[EpisodeRun]:
+        yielded.extend(rs)
+        yield from rs
+
+    def flush() -> Iterator[EpisodeRun]:
+        nonlocal held
         out = list(ended)
         ended.clear()
         for r in out:
@@ -244,19 +299,30 @@ def drive_episodes(
         done = []
         for r in out:
             if not r.infra_failed:
-                done.append(r)
-            else:
-                if r.retries >= infra_retries:
-                    raise InfraFailure(
-                        f"episode {r.task.id} (sample {r.sample}) ended on an infrastructure failure "
-                        f"{r.retries + 1} time(s), not an outcome of the agent: {type(r.error).__name__}: "
-                        f"{' '.join(str(r.error).split())} (rollout.infra_retries={infra_retries}; earlier: "
-                        f"{'; '.join(r.infra_errors) or 'none'})")
-                log.warning("episode %s/%s: running it again (infrastructure retry %d of %d)", r.task.id, r.sample,
-                            r.retries + 1, infra_retries)
-                r.restart()
-                retry.append(r)
-        return done
+                (done if held is None else held).append(r)
+                continue
+            held = [] if held is None else held  # the schedule diverges from a clean run's here
+            if r.retries >= infra_retries:
+                yield from emit(done + sorted(held, key=opened.__getitem__))
+                raise InfraFailure(
+                    f"episode {r.task.id} (sample {r.sample}) ended on an infrastructure failure "
+                    f"{r.retries + 1} time(s), not an outcome of the agent: {type(r.error).__name__}: "
+                    f"{' '.join(str(r.error).split())} (rollout.infra_retries={infra_retries}; earlier: "
+                    f"{'; '.join(r.infra_errors) or 'none'})")
+            log.warning("episode %s/%s: running it again (infrastructure retry %d of %d)", r.task.id, r.sample,
+                        r.retries + 1, infra_retries)
+            r.restart()
+            retry.append(r)
+        yield from emit(done)
+
+    def in_clean_order() -> Iterator[EpisodeRun]:
+        runs_opened = sorted(opened, key=opened.__getitem__)
+        order = [runs_opened[j] for j in clean_order([endings[r] for r in runs_opened], batch_size)]
+        if order[: len(yielded)] != yielded:  # an episode played differently when run again (not seeded?)
+            log.warning("the episodes yielded before an infrastructure failure are not a clean run's first ones: "
+                        "the order of the others follows a clean run's all the same")
+        first = set(yielded)
+        yield from emit([r for r in order if r not in first])
 
     def next_run() -> EpisodeRun | None:
         return retry.popleft() if retry else next(queue, None)
@@ -264,9 +330,11 @@ def drive_episodes(
     while True:
         fresh: list[EpisodeRun] = []
         while len(live) + len(fresh) < batch_size and (r := next_run()) is not None:
+            opened.setdefault(r, len(opened))
+            opened_in[r] = rnd
             r.open(suite)
             if r.ended:
-                ended.append(r)
+                end_in(ENDED_AT_OPEN, [r])
                 if not deferred:
                     yield from flush()
             else:
@@ -274,7 +342,10 @@ def drive_episodes(
         if not fresh and not live:
             yield from flush()
             if retry:
+                rnd += 1
                 continue
+            if held is not None:
+                yield from in_clean_order()
             return
         for r, obs in zip(fresh, suite.reset_batch([r.episode for r in fresh]), strict=True):
             r.reset(obs)
@@ -285,11 +356,12 @@ def drive_episodes(
                 r.end(MAX_STEPS)
             elif fits is not None and not fits(r):
                 r.end(CONTEXT_OVERFLOW)
-        ended.extend(r for r in live + fresh if r.ended)
+        end_in(ENDED_AT_CHECK, [r for r in live + fresh if r.ended])
         live = [r for r in live + fresh if not r.ended]
         if not deferred:
             yield from flush()
         if not live:
+            rnd += 1
             continue
         if deferred:
             suite.submit()  # the workers score the runs that ended while the model decodes the others
@@ -301,7 +373,8 @@ def drive_episodes(
         results = suite.step_batch([r.episode for r in stepping], [r.messages[-1] for r in stepping])
         for r, res in zip(stepping, results, strict=True):
             r.step(res)
-        ended.extend(r for r in live if r.ended)
+        end_in(ENDED_AT_STEP, [r for r in live if r.ended])
         live = [r for r in live if not r.ended]
+        rnd += 1
         if not deferred:
             yield from flush()
