@@ -213,8 +213,10 @@ def test_flawed_demonstrations_plant_a_coin_and_are_refused_where_no_flaw_exists
     assert record["write_by_id"]["flawed"] == 0
     with pytest.raises(ValueError, match=r"fractions must be in \[0, 1\], got \{'finish_all_writes': 1.5\}"):
         PlantedSpec(family="micro", strong=["write_by_id"], weak=["finish_all_writes"], weak_correct=1.5)
-    with pytest.raises(ValueError, match="no flawed demonstration for capability 'lookup_by_name'"):
-        PlantedSpec(family="micro", strong=["write_by_id"], weak=["lookup_by_name"], weak_correct=0.5)
+    with pytest.raises(ValueError, match=r"^backbone.planted.weak_correct: unknown capability 'lookup_by_nam' "
+                                         r"\(capabilities of micro: "):
+        PlantedSpec(family="micro", strong=["write_by_id"], weak=["lookup_by_name"],
+                    weak_correct={"lookup_by_nam": 0.5})
     with pytest.raises(ValueError, match="a fraction for each weak capability"):
         PlantedSpec(family="micro", strong=["write_by_id"], weak=["refuse_locked", "finish_all_writes"],
                     weak_correct={"refuse_locked": 0.5})

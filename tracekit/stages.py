@@ -32,6 +32,7 @@ from tracekit.rl.launch import Factory
 from tracekit.runs import (GRPO_RUN_READS, adapters_of, cached_rollout, grpo_run, package_identity, policy_trajectories,
                            ready_capabilities, synthesis_target, train_seeds, trajectories_of)
 from tracekit.synthesis.calibrate import make_rollout_fn
+from tracekit.synthesis.chain import chain_sampler
 from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.synthesis.stage import MANIFEST, SynthesisSettings, synthesize
 from tracekit.targets import benchmark_identity, evaluation_config, family_reads, target_of, target_of_trajectories
@@ -146,8 +147,8 @@ def synthesize_stage(ctx: StageContext) -> None:
     selected = read_json(ctx.inputs["select"].path / "selected.json")["selected"]
     settings = SynthesisSettings.of(SynthesisConfig(**plain(sy)), ctx.stage_seed)  # seed: read by source=generate
     official = sy.acceptance == "official"
-    rollout_fn = acceptance_fn = None
-    if sy.calibrate or official:  # against the current (base) policy, sampled as GRPO samples
+    rollout_fn = acceptance_fn = chain_fn = None
+    if sy.calibrate or official or sy.chains:  # against the current (base) policy, sampled as GRPO samples
         agent = llm_agent(cfg, temperature=cfg.grpo.temperature)
 
         def sampler(folder: str) -> Any:
@@ -156,10 +157,12 @@ def synthesize_stage(ctx: StageContext) -> None:
 
         rollout_fn = sampler("calibration_rollouts") if sy.calibrate else None
         acceptance_fn = sampler("acceptance_rollouts") if official else None  # its own resumable folder
+        chain_fn = chain_sampler(agent, max_steps=cfg.grpo.max_steps, batch_size=cfg.agent.batch_size,
+                                 progress=False) if sy.chains else None
     trajectories = {t.uid: t for t in trajectories_of(ctx.inputs["rollout"])} if sy.source == "generate" else None
     client = client_for(cfg, sy.endpoint) if sy.source == "generate" else None
     synthesize(selected, synthesis_target(cfg), ctx.work_dir, settings, trajectories, client, rollout_fn,
-               acceptance_fn)
+               acceptance_fn, chain_fn)
 
 
 def synthesize_report(art: Artifact, ctx: StageContext) -> None:
@@ -171,6 +174,10 @@ def synthesize_report(art: Artifact, ctx: StageContext) -> None:
                 if e["status"] == "ready" and "acceptance" in e else "")
         rows.append(f"| {e['capability']} | {e['status']} | {e.get('env', e.get('kind', ''))} | "
                     f"{str(e.get('difficulty')) + gate if e['status'] == 'ready' else e.get('reason', '')} |")
+    for c in man.get("chains", []):  # beyond the paper (issue 53): chained environments, sampled by the base
+        rows.append(f"| {c['chain']} (chained) | {c['status']} | | " + (
+            f"{c['successes']} of {c['episodes']} base-policy episodes succeed" if c["status"] == "ready"
+            else c["reason"]) + " |")
     ctx.record.section("Synthetic environments", f"{man['ready']} ready, {man['skipped']} skipped "
                        f"(source: {man['source']}, target: {man['target']}).\n\n" + "\n".join(rows))
 
@@ -286,14 +293,19 @@ ACCEPTANCE_SETTINGS = ("synthesis.acceptance", "synthesis.acceptance_group_size"
                        "synthesis.max_all_success", "synthesis.max_all_zero")
 
 
+# synthesis chaining's settings (issue 53): while no chain is asked for they change nothing, keys as before
+CHAIN_SETTINGS = ("synthesis.chains", "synthesis.chain_seeds", "synthesis.chain_samples")
+
+
 def acceptance_off(cfg: DictConfig) -> tuple[str, ...]:
-    return ACCEPTANCE_SETTINGS if cfg.synthesis.acceptance == "none" else ()
+    return ((ACCEPTANCE_SETTINGS if cfg.synthesis.acceptance == "none" else ())
+            + (() if cfg.synthesis.chains else CHAIN_SETTINGS))
 
 
 def synthesize_reads(cfg: DictConfig) -> tuple[str, ...]:
     sy = cfg.synthesis
     reads = ["synthesis", *family_reads(cfg)]
-    if sy.calibrate or sy.acceptance == "official":  # calibration and the gate sample the base agent as GRPO does
+    if sy.calibrate or sy.acceptance == "official" or sy.chains:  # they sample the base agent as GRPO does
         reads += ["backbone", "agent", "grpo.temperature", "grpo.max_steps"]
     if sy.source == "generate":
         reads += [f"llm.endpoints.{sy.endpoint}", "backbone", "agent", "seed"]

@@ -127,6 +127,10 @@ class PlantedSpec:
                                  f"{sorted(self.demos_weak)}")
         if isinstance(self.weak_correct, dict):
             self.weak_correct = {str(k): float(v) for k, v in self.weak_correct.items()}
+            unknown = sorted(set(self.weak_correct) - set(known))
+            if unknown:
+                raise ValueError(f"backbone.planted.weak_correct: unknown capability {unknown[0]!r} (capabilities of "
+                                 f"{self.family}: {', '.join(sorted(known))})")
             if set(self.weak_correct) != set(self.weak):
                 raise ValueError(f"backbone.planted.weak_correct: a fraction for each weak capability ({self.weak}), "
                                  f"got {sorted(self.weak_correct)}")
@@ -242,7 +246,7 @@ def demonstrations(spec: PlantedSpec, tokenizer: Any) -> tuple[list[tuple[list[i
                 # (fraction f: evenly spread, floor(n f) of n); the others show the flaw
                 solver = math.floor((i + 1) * correct[cap]) > math.floor(i * correct[cap])
                 flawed = None if solver else flaw_of.flawed_solution(inst)
-                if flawed is not None and flawed[0] == task.data["actions"]:
+                if flawed is not None and list(flawed) == [task.data["actions"], task.data["communicate_info"]]:
                     flawed = None  # an instance the capability does not show on (an unlocked item): no flaw to show
                 messages, tools, outcome = gold_episode(suite, task, flawed)
                 if flawed is not None:

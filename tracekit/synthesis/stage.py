@@ -14,6 +14,11 @@ With ``settings.acceptance`` (``synthesis.acceptance=official``) every ready pac
 calibration gate (:func:`tracekit.synthesis.calibrate.accept`): the base policy samples G rollouts on each validation
 seed of the package as training will open it; ``acceptance.json`` records the figures, the manifest entry carries
 them, and an environment outside the bands becomes a skip whose reason is the one-line refusal with its numbers.
+
+With ``settings.chains`` (``synthesis.chains``, beyond the paper: issue 53) each chain of two ready packages is run as
+one conversation (:mod:`tracekit.synthesis.chain`) and sampled by ``chain_fn`` (the base policy) under
+``chains/<a>+<b>/``; the manifest's ``chains`` lists each, ready or skipped with the reason. The capability packages
+and the manifest's ``environments`` are as without chaining.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tracekit.llm.base import ChatClient
 from tracekit.synthesis.agent import (EnvChecks, GenerationAgentConfig, GenerationSpec, default_checks,
                                       generate_environment)
 from tracekit.synthesis.calibrate import OfficialAcceptance, RolloutFn, accept, calibrate_difficulty, write_calibration
+from tracekit.synthesis.chain import CHAINS, ROLLOUTS, ChainedSuite, ChainSampler, chain_name, parse_chain, write_chain
 from tracekit.synthesis.library import find_library_env, library_env
 from tracekit.synthesis.protocol import InProcessBackend
 from tracekit.synthesis.sandbox import SandboxBackend, SandboxLimits
@@ -42,6 +48,9 @@ log = logging.getLogger(__name__)
 MANIFEST = "environments.json"
 PACKAGE = "env.json"
 ACCEPTANCE = "acceptance.json"
+# a chain's instances: disjoint from validation (0..n), GRPO training (100,000 on), the held-out target (10,000,000 on)
+# and the warm start's demonstrations (50,000,000 on)
+CHAIN_SEED_OFFSET = 5_000_000
 
 
 @dataclass
@@ -54,6 +63,9 @@ class SynthesisSettings:
     checks: EnvChecks = field(default_factory=default_checks)
     agent: GenerationAgentConfig = field(default_factory=GenerationAgentConfig)
     acceptance: OfficialAcceptance | None = None  # the official gate on every ready package (None: no gate)
+    chains: list[tuple[str, str]] = field(default_factory=list)  # (first, second) capabilities, run as one episode
+    chain_seeds: list[int] = field(default_factory=list)  # the instances each chain is sampled on
+    chain_samples: int = SynthesisConfig.chain_samples  # base-policy samples per instance
 
     @classmethod
     def of(cls, c: SynthesisConfig, seed: int | None) -> SynthesisSettings:
@@ -69,8 +81,10 @@ class SynthesisSettings:
                                             max_all_zero=c.max_all_zero, min_informative=c.min_informative)
         agent = GenerationAgentConfig(max_repair_rounds=c.repair_rounds, max_mutation_rounds=c.mutation_rounds,
                                       seed=seed if c.source == "generate" else 0)
+        seeds = list(range(CHAIN_SEED_OFFSET, CHAIN_SEED_OFFSET + c.chain_seeds))
         return cls(source=c.source, difficulty=c.difficulty, checks=EnvChecks.of(c), agent=agent,
-                   acceptance=acceptance)
+                   acceptance=acceptance, chains=[parse_chain(e) for e in c.chains], chain_seeds=seeds,
+                   chain_samples=c.chain_samples)
 
 
 def trajectory_excerpt(traj: Trajectory, max_chars: int = 1500) -> str:
@@ -101,15 +115,18 @@ def _capabilities(selected: list[dict[str, Any]] | list[Capability]) -> list[tup
 def synthesize(selected: list[dict[str, Any]] | list[Capability], target: str, out_dir: str | Path,
                settings: SynthesisSettings = SynthesisSettings(), trajectories: dict[str, Trajectory] | None = None,
                client: ChatClient | None = None, rollout_fn: RolloutFn | None = None,
-               acceptance_fn: RolloutFn | None = None) -> dict[str, Any]:
+               acceptance_fn: RolloutFn | None = None, chain_fn: ChainSampler | None = None) -> dict[str, Any]:
     """Build, validate (and calibrate) one environment per capability of ``selected`` (``selected.json``
     entries or Capability objects), then put each ready one to ``settings.acceptance`` with ``acceptance_fn`` (the
-    base policy's rollouts); returns and writes the manifest."""
+    base policy's rollouts), and sample each chain of ``settings.chains`` with ``chain_fn``; returns and writes the
+    manifest."""
     out = Path(out_dir)
     if settings.source == "generate" and client is None:
         raise ValueError("synthesis.source=generate needs a generation ChatClient")
     if settings.acceptance is not None and acceptance_fn is None:
         raise ValueError("synthesis.acceptance=official needs a rollout function (the base policy's samples)")
+    if settings.chains and chain_fn is None:
+        raise ValueError("synthesis.chains needs a rollout function (the base policy's samples of each chain)")
     if settings.source == "generate" and target not in TARGETS:
         raise ValueError(f"generation needs a concrete target, one of {', '.join(TARGETS)}; got {target!r}")
     entries = []
@@ -127,8 +144,40 @@ def synthesize(selected: list[dict[str, Any]] | list[Capability], target: str, o
     manifest = {"source": settings.source, "target": target, "environments": entries,
                 "ready": sum(e["status"] == "ready" for e in entries),
                 "skipped": sum(e["status"] == "skipped" for e in entries)}
+    if settings.chains:  # only then: a manifest without chaining is as before
+        ready = {e["capability"] for e in entries if e["status"] == "ready"}
+        manifest[CHAINS] = [_chain(pair, ready, out, settings, chain_fn) for pair in settings.chains]
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
+
+
+def _chain(pair: tuple[str, str], ready: set[str], out: Path, settings: SynthesisSettings,
+           chain_fn: ChainSampler) -> dict[str, Any]:
+    """One chain's manifest entry: sampled by ``chain_fn`` when both capabilities have a ready package."""
+    name = chain_name(*pair)
+    missing = [c for c in pair if c not in ready]
+    if missing:
+        return {"chain": name, "status": "skipped",
+                "reason": f"no ready environment for {', '.join(missing)} (a chain needs both capabilities selected "
+                          "and synthesized)"}
+    parts = [open_package(out / cap, settings.chain_seeds, limits=settings.checks.limits) for cap in pair]
+    try:
+        try:
+            suite = ChainedSuite(parts[0], parts[1], settings.chain_seeds)
+        except ValueError as e:  # generated environments whose tools conflict: no episode is run
+            log.info("synthesize chain %s: skipped (%s)", name, e)
+            return {"chain": name, "status": "skipped", "reason": str(e)}
+        trajectories = chain_fn(suite, settings.chain_seeds, settings.chain_samples, out / CHAINS / name / ROLLOUTS)
+    finally:
+        for p in parts:
+            p.close()
+    outcomes = [bool(t.success) for t in trajectories]
+    record = {"chain": name, "parts": list(pair), "env": suite.name, "seeds": [settings.chain_seeds[0],
+              settings.chain_seeds[-1] + 1], "samples": settings.chain_samples, "episodes": len(outcomes),
+              "successes": sum(outcomes), "rollouts": ROLLOUTS}
+    write_chain(out / CHAINS / name, record)
+    log.info("synthesize chain %s: %d of %d base-policy episodes succeed", name, record["successes"], len(outcomes))
+    return {"chain": name, "status": "ready", "episodes": len(outcomes), "successes": record["successes"]}
 
 
 def _library_package(cap: Capability, target: str, pkg: Path, settings: SynthesisSettings,

@@ -1,6 +1,7 @@
 """The micro target (``benchmark.kind=micro``, ``conf/benchmark/micro.yaml``; issue 42): held-out instances of the
 micro world's library environments (:mod:`tracekit.synthesis.library.micro`) and of its task kinds that need two
-capabilities at once (``COMBOS``), each environment's own verifier; pass rate per environment.
+or three capabilities at once (``KINDS``: issue 42's four ``COMBOS`` and issue 53's ``HARD_KINDS``, the sparse target
+``benchmark=micro_hard``), each environment's own verifier; pass rate per environment.
 
 Its reference labeler labels the micro dictionary (``analysis/dictionaries/micro_reference.yaml``) from each
 trajectory's instance, regenerated from its environment, difficulty and seed:
@@ -11,7 +12,8 @@ trajectory's instance, regenerated from its environment, difficulty and seed:
   or never said to be locked; else PRESENT;
 - ``finish_all_writes``: NA unless the request needs several writes; LACKING when an unlocked item of the request was
   never written; else PRESENT;
-- ``report_value``: NA unless the request asks for a value; LACKING when the value was never said; else PRESENT;
+- ``report_value``: NA unless the request asks for a value; LACKING when the value was never said; else PRESENT (a
+  named item asked about counts for ``lookup_by_name`` too);
 - ``write_by_id``: NA unless the request is a plain write by id; LACKING when that item was never written; else
   PRESENT.
 """
@@ -26,7 +28,7 @@ from omegaconf import DictConfig
 from tracekit.agents import GoldAgent
 from tracekit.analysis.discovery import load_dictionary
 from tracekit.analysis.reference import RuleLabeler
-from tracekit.synthesis.library.micro import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT, WRITE
+from tracekit.synthesis.library.micro import CAPABILITIES, KINDS, FINISH, LOOKUP, REFUSAL, REFUSE, REPORT, WRITE
 from tracekit.synthesis.protocol import communicated, tool_calls_of
 from tracekit.targets.tau2_mini import LibraryTarget
 from tracekit.types import LabelValue, Trajectory
@@ -39,14 +41,17 @@ def micro_labels(traj: Trajectory, instance: Any) -> dict[str, tuple[LabelValue,
     """{capability: (label, rationale)} of one micro trajectory against its instance (see the module doc)."""
     p = instance.params
     kinds, targets, locked = set(p["kinds"]), list(p["targets"]), list(p["locked"])
+    touched = targets + list(p.get("asked", []))  # a write kind that also asks a value: the item asked about
+    refusals = [g for g in instance.expected_outputs if g and g[0].endswith(REFUSAL)]
+    answers = [g for g in instance.expected_outputs if g and not g[0].endswith(REFUSAL)]
     calls = tool_calls_of(traj.messages)
     written = {c.arguments.get("id") for c in calls if c.name == "write"}
     read = {c.arguments.get("id") for c in calls if c.name == "read"}
     out: dict[str, tuple[LabelValue, str]] = {}
     if LOOKUP in kinds:
-        names = {instance.state["items"][t]["name"] for t in targets}
+        names = {instance.state["items"][t]["name"] for t in touched}
         found = {c.arguments.get("name") for c in calls if c.name == "find"}
-        stray = sorted(str(i) for i in (written | read) - set(targets))
+        stray = sorted(str(i) for i in (written | read) - set(touched))
         missing = sorted(names - found)
         out[LOOKUP] = ((_LACK, f"never looked up {missing}" if missing else f"acted on ids {stray} it was not given")
                        if missing or stray else (_OK, "looked every named item up and used the returned ids"))
@@ -55,7 +60,7 @@ def micro_labels(traj: Trajectory, instance: Any) -> dict[str, tuple[LabelValue,
     if locked:
         bad = sorted(set(locked) & written)
         unread = sorted(set(locked) - read)
-        said = communicated(traj.messages, instance.expected_outputs)
+        said = communicated(traj.messages, refusals)
         out[REFUSE] = ((_LACK, f"wrote locked {bad}" if bad else f"never read {unread}" if unread
                         else "never said the item is locked")
                        if bad or unread or not said else (_OK, "read the locked item, left it, and said so"))
@@ -69,7 +74,7 @@ def micro_labels(traj: Trajectory, instance: Any) -> dict[str, tuple[LabelValue,
     else:
         out[FINISH] = (_NA, "the request needs one write at most")
     if REPORT in kinds:
-        out[REPORT] = ((_OK, "said the value") if communicated(traj.messages, instance.expected_outputs)
+        out[REPORT] = ((_OK, "said the value") if communicated(traj.messages, answers)
                        else (_LACK, "never said the value"))
     else:
         out[REPORT] = (_NA, "nothing to report")
@@ -100,15 +105,15 @@ class MicroLabeler(RuleLabeler):
 class MicroTarget(LibraryTarget):
     kind = "micro"
     summary = "the micro world: find/read/write over a small store, learnable on 2 CPU cores (issue 42)"
-    extra_envs = dict(COMBOS)
+    extra_envs = dict(KINDS)
 
     def paper_tasks_of(self, b: DictConfig) -> str | None:
         return None  # the paper has no micro world
 
     def describe_tasks(self, b: DictConfig) -> str:
         envs = self.own(b).envs
-        combos = sum(e in COMBOS for e in envs)
-        return (f"{b.name} (micro: {len(envs) - combos} capability environments + {combos} two-capability task kinds "
+        combos = sum(e in KINDS for e in envs)
+        return (f"{b.name} (micro: {len(envs) - combos} capability environments + {combos} multi-capability task kinds "
                 f"x {b.limit} held-out instances)")
 
     def paper_user_applies(self, cfg: DictConfig) -> bool:

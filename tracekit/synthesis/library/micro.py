@@ -90,7 +90,7 @@ class Needs:
     difficulty: int = 0
 
     def writes(self) -> int:
-        if REPORT in self.caps and FINISH not in self.caps:
+        if REPORT in self.caps and not self.caps & {FINISH, REFUSE}:
             return 0
         return (3 if self.difficulty >= 1 else 2) if FINISH in self.caps else 1
 
@@ -104,7 +104,7 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
     items = {i: {"name": n, "value": rng.randint(0, 9), "locked": False} for i, n in zip(ids, names)}
     order = list(items)
     by_name = LOOKUP in needs.caps
-    if REPORT in needs.caps and FINISH not in needs.caps:
+    if needs.writes() == 0:
         target = rng.choice(order)
         ref = items[target]["name"] if by_name else target
         goal = f"What is {ref}?"
@@ -122,7 +122,9 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
     if REFUSE in needs.caps:
         if len(targets) > 1:
             locked = [rng.choice(targets)]
-        elif rng.random() < 0.6:
+        elif REPORT in needs.caps or rng.random() < 0.6:
+            # beside a question the one write target is always locked: the answer, not the lock, keeps a reply that
+            # only refuses from passing
             locked = [targets[0]]
     for t in locked:
         items[t]["locked"] = True
@@ -137,9 +139,17 @@ def make_instance(seed: int, needs: Needs, salt: str) -> Instance:
         if t not in locked:
             calls.append({"name": "write", "arguments": {"id": t, "value": new_values[t]}})
     expected = [[f"{refs[t]} {REFUSAL}"] for t in locked]
-    return _instance(seed, goal, items, calls, expected,
-                     {"kinds": sorted(needs.caps), "targets": targets, "locked": locked,
-                      "values": [new_values[t] for t in targets], "by_name": by_name})
+    params = {"kinds": sorted(needs.caps), "targets": targets, "locked": locked,
+              "values": [new_values[t] for t in targets], "by_name": by_name}
+    if REPORT in needs.caps:  # a write kind that also asks a value (beyond issue 42's kinds): of an item not written
+        asked = rng.choice([i for i in order if i not in targets])
+        ref = items[asked]["name"] if by_name else asked
+        goal += f" What is {ref}?"
+        calls += ([{"name": "find", "arguments": {"name": ref}}] if by_name else []) + [
+            {"name": "read", "arguments": {"id": asked}}]
+        expected.append([f"{ref} is {items[asked]['value']}"])
+        params["asked"] = [asked]
+    return _instance(seed, goal, items, calls, expected, params)
 
 
 def _instance(seed: int, goal: str, items: dict[str, Any], calls: list[dict[str, Any]],
@@ -172,22 +182,36 @@ class MicroEnv(SyntheticEnv):
         return MicroWorld(instance.state)
 
     def flawed_solution(self, instance: Instance) -> tuple[list[dict[str, Any]], list[str]]:
-        """The calls and the outputs said (none) of an agent that lacks this environment's capability (a planted warm
-        start's flawed demonstrations, ``backbone.planted.weak_correct``): ``refuse_locked`` writes a locked item
-        like any other and says nothing of it; ``finish_all_writes`` does the first write only. The verifier
-        rejects both. Other capabilities have no flawed form (a ValueError)."""
+        """The calls and the outputs said of an agent that lacks this environment's capability (a planted warm start's
+        flawed demonstrations, ``backbone.planted.weak_correct``); the verifier rejects each:
+
+        - ``refuse_locked``: writes a locked item like any other and says nothing of it;
+        - ``finish_all_writes``: does the first write only;
+        - ``lookup_by_name``: skips ``find`` and uses the item's name as its id (the tools answer with errors);
+        - ``report_value``: reads the item and says nothing of its value;
+        - ``write_by_id``: reads the item and writes nothing.
+
+        Where the capability does not show on an instance (an unlocked item), this is the solution itself. A task
+        kind needing several capabilities has no flawed form (a ValueError)."""
         p = instance.params
-        if self.capability not in (REFUSE, FINISH) or not p.get("targets"):
-            raise ValueError(f"{self.name}: no flawed demonstration for capability {self.capability!r} (only "
-                             f"{REFUSE} and {FINISH} have one)")
+        if self.capability not in CAPABILITIES or not p.get("targets"):
+            raise ValueError(f"{self.name}: no flawed demonstration for capability {self.capability!r} (each of "
+                             f"{', '.join(CAPABILITIES)} has one)")
+        if self.capability == REPORT:
+            return [c.model_dump(mode="json") for c in instance.solution], []
         targets = p["targets"][:1] if self.capability == FINISH else p["targets"]
         items = instance.state["items"]
         calls: list[dict[str, Any]] = []
         for t, value in zip(targets, p["values"]):
+            if self.capability == LOOKUP:  # the name where the id belongs: no find
+                ref = items[t]["name"]
+                calls += [{"name": "read", "arguments": {"id": ref}},
+                          {"name": "write", "arguments": {"id": ref, "value": value}}]
+                continue
             if p["by_name"]:
                 calls.append({"name": "find", "arguments": {"name": items[t]["name"]}})
             calls.append({"name": "read", "arguments": {"id": t}})
-            if self.capability == REFUSE or t not in p["locked"]:
+            if self.capability == REFUSE or (self.capability == FINISH and t not in p["locked"]):
                 calls.append({"name": "write", "arguments": {"id": t, "value": value}})
         return calls, []
 
@@ -235,14 +259,47 @@ class MicroReportValue(MicroEnv):
     description = "Read the value the user asks about and say it."
 
 
-def _combo(a: str, b: str) -> type[MicroEnv]:
-    name = f"micro_combo_{a}__{b}"
-    return type(f"MicroCombo_{a}_{b}", (MicroEnv,), {
-        "__module__": __name__, "name": name, "capability": f"{a}+{b}", "needs": (a, b),
-        "description": f"held-out task kind needing both {a} and {b}"})
+MAX_GOLD_TURNS = 8  # the world's episodes: a kind whose gold episode needs more assistant turns is not built
+
+
+def kind_name(caps: tuple[str, ...]) -> str:
+    return "micro_combo_" + "__".join(caps)
+
+
+def kind_problem(caps: tuple[str, ...]) -> str | None:
+    """Why the world cannot build a task kind needing ``caps`` together (None when it can): two or three of the four
+    composable capabilities (``write_by_id`` is the plain write the others build on and composes with none), and a gold
+    episode of at most :data:`MAX_GOLD_TURNS` assistant turns at difficulty 0."""
+    unknown = [c for c in caps if c not in CAPABILITIES]
+    if unknown:
+        return f"unknown capabilities {unknown} (the world's: {', '.join(CAPABILITIES)})"
+    if WRITE in caps:
+        return f"{WRITE} is the plain write every write kind builds on; it composes with no other capability"
+    if len(set(caps)) != len(caps) or not 2 <= len(caps) <= 3:
+        return f"a kind needs two or three distinct capabilities, got {list(caps)}"
+    turns = len(make_instance(0, Needs(frozenset(caps)), kind_name(caps)).solution) + 1
+    if turns > MAX_GOLD_TURNS:
+        return f"its gold episode needs {turns} assistant turns, more than the world's {MAX_GOLD_TURNS}"
+    return None
+
+
+def _kind(*caps: str) -> type[MicroEnv]:
+    problem = kind_problem(caps)
+    if problem is not None:
+        raise ValueError(f"the micro world cannot build a kind needing {' + '.join(caps)}: {problem}")
+    name = kind_name(caps)
+    return type(f"MicroCombo_{'_'.join(caps)}", (MicroEnv,), {
+        "__module__": __name__, "name": name, "capability": "+".join(caps), "needs": caps,
+        "description": f"held-out task kind needing {', '.join(caps[:-1])} and {caps[-1]} in one episode"})
 
 
 # held-out task kinds that need two capabilities at once (the micro target's mixture; no library environment
 # trains on them)
 COMBOS: dict[str, type[MicroEnv]] = {c.name: c for c in (
-    _combo(LOOKUP, FINISH), _combo(LOOKUP, REFUSE), _combo(LOOKUP, REPORT), _combo(FINISH, REFUSE))}
+    _kind(LOOKUP, FINISH), _kind(LOOKUP, REFUSE), _kind(LOOKUP, REPORT), _kind(FINISH, REFUSE))}
+# every other kind the world builds (issue 53): a write beside a question, and three capabilities in one episode.
+# Their order is the library's (CAPABILITIES); lookup + finish + report is not built (9 gold turns).
+HARD_KINDS: dict[str, type[MicroEnv]] = {c.name: c for c in (
+    _kind(REFUSE, REPORT), _kind(FINISH, REPORT), _kind(LOOKUP, REFUSE, FINISH), _kind(LOOKUP, REFUSE, REPORT),
+    _kind(REFUSE, FINISH, REPORT))}
+KINDS: dict[str, type[MicroEnv]] = {**COMBOS, **HARD_KINDS}
