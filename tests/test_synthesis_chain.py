@@ -60,7 +60,8 @@ def test_a_chain_runs_both_parts_in_one_conversation_and_succeeds_only_when_both
     assert obs.tools == library_env(REFUSE)(0).tools() and chain.capability == "refuse_locked+finish_all_writes"
     goal_b = chain.parts[1].instances([z])[0].user_goal
     users = [m.content for m in conversation if m.role == "user"]
-    assert users[0] == chain.parts[0].instances([z])[0].user_goal and users[1] == goal_b  # B's request follows A's report
+    assert users[0] == chain.parts[0].instances([z])[0].user_goal
+    assert users[1] == goal_b  # B's request follows A's report
     assert [p["success"] for p in out.info["parts"]] == [True, True] and ep.termination == "user_stop"
     ep, _, _ = _play(chain, z, second_flawed=True)  # A right, B's last write skipped
     out = ep.outcome()
@@ -123,7 +124,8 @@ def test_a_library_chain_whose_tools_conflict_is_refused_at_validation(monkeypat
     from tracekit.validate import validate
 
     real = library.find_library_env
-    monkeypatch.setattr(library, "find_library_env", lambda cap, target=None: _Echo if cap == "echo" else real(cap, target))
+    monkeypatch.setattr(library, "find_library_env",
+                        lambda cap, target=None: _Echo if cap == "echo" else real(cap, target))
     with pytest.raises(ConfigError, match="the two capabilities' tools conflict: 'read'") as e:
         validate(make_cfg("experiment=micro", "synthesis.chains=[refuse_locked+echo]"))
     assert "\n" not in str(e.value)
@@ -150,7 +152,8 @@ class _ChainGold(Agent):
 
 
 def test_the_synthesize_stage_samples_each_chain_and_skips_one_without_both_packages(tmp_path):
-    selected = [Capability(name="refuse_locked", description="r"), Capability(name="finish_all_writes", description="f")]
+    selected = [Capability(name="refuse_locked", description="r"),
+                Capability(name="finish_all_writes", description="f")]
     settings = SynthesisSettings.of(SynthesisConfig(validation_seeds=5, difficulty=0, chain_seeds=4, chain_samples=2,
                                                     chains=["refuse_locked+finish_all_writes",
                                                             "finish_all_writes+report_value"]), None)
@@ -173,3 +176,36 @@ def test_the_synthesize_stage_samples_each_chain_and_skips_one_without_both_pack
     assert len(seen) == 1
     with pytest.raises(ValueError, match="synthesis.chains needs a rollout function"):
         synthesize(selected, "micro", tmp_path / "again", settings)
+
+
+def test_the_gate_trains_on_each_chains_successes_and_counts_every_episode(tmp_path, make_cfg):
+    from tracekit.methods.consolidate.composite import (COMPOSITE_SETTINGS, chain_examples, composite_inputs,
+                                                        composite_reads, with_chains)
+    from tracekit.moe.gate import GateExample
+    from tracekit.planted.warmstart import world_tokenizer
+
+    settings = SynthesisSettings.of(SynthesisConfig(validation_seeds=5, difficulty=0, chain_seeds=4, chain_samples=2,
+                                                    chains=["refuse_locked+finish_all_writes"]), None)
+    selected = [Capability(name="refuse_locked", description="r"),
+                Capability(name="finish_all_writes", description="f")]
+    synthesize(selected, "micro", tmp_path, settings, chain_fn=lambda suite, seeds, k, folder: chain_sampler(
+        _ChainGold(suite), max_steps=16, batch_size=4, progress=False)(suite, seeds, k, folder))
+    tok = world_tokenizer("micro", "qwen3", 2048)
+    groups, budget, note = chain_examples(tmp_path, tok)
+    (chain, examples), = groups.items()
+    assert chain == "refuse_locked+finish_all_writes" and len(examples) == 4  # one row per successful episode
+    assert budget.episodes == 8 and "4 of 8 base-policy episodes succeed" in note and "beyond the paper" in note
+    text = tok.decode([i for i, m in zip(examples[0].input_ids, examples[0].loss_mask) if m])
+    assert "is locked" in text and text.count('"write"') >= 1  # the refusal and the other part's writes are trained on
+    assert len(chain_examples(tmp_path, tok, successes_only=False)[0][chain]) == 8
+    capability = [GateExample([1, 2], [0, 1]) for _ in range(3)]
+    mixed = with_chains(capability, groups, per_group=2, seed=0)
+    assert len(mixed) == 5 and sum(ex in examples for ex in mixed) == 2
+    off = make_cfg("experiment=micro")
+    on = make_cfg("experiment=micro", "synthesis.chains=[refuse_locked+finish_all_writes]")
+    assert composite_reads(off) == () and composite_inputs(off) == ()
+    assert composite_reads(on) == COMPOSITE_SETTINGS and composite_inputs(on) == ("synthesize",)
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "environments.json").write_text('{"environments": [], "chains": []}')
+    with pytest.raises(RuntimeError, match="synthesis.chains is set but .* has no ready chain"):
+        chain_examples(tmp_path / "none", tok)

@@ -80,8 +80,8 @@ def merged_tools(first: str, first_tools: list[dict[str, Any]], second: str,
         if name not in by_name:
             out.append(t)
         elif json.dumps(by_name[name], sort_keys=True) != json.dumps(t, sort_keys=True):
-            raise ValueError(f"chained environment {first}+{second}: the two capabilities' tools conflict: {name!r} has "
-                             f"one schema in {first} and another in {second}")
+            raise ValueError(f"chained environment {first}+{second}: the two capabilities' tools conflict: {name!r} "
+                             f"has one schema in {first} and another in {second}")
     return out
 
 

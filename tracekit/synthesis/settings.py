@@ -49,8 +49,8 @@ class SynthesisConfig:
         "repair_rounds": ">= 0", "mutation_rounds": ">= 0", "validation_seeds": ">= 1", "calibration_seeds": ">= 1",
         "calibration_k": ">= 2", "target_low": "[0, 1]", "target_high": "[0, 1]", "min_informative": "[0, 1]",
         "difficulty": ">= 0", "acceptance_group_size": ">= 2", "min_reward_std": "[0, 1]", "max_all_success": "[0, 1]",
-        "max_all_zero": "[0, 1]", "cpu_seconds": ">= 1", "wall_seconds": ">= 1", "memory_mb": ">= 256", "chain_seeds": ">= 1",
-        "chain_samples": ">= 1"}  # fmt: skip
+        "max_all_zero": "[0, 1]", "cpu_seconds": ">= 1", "wall_seconds": ">= 1", "memory_mb": ">= 256",
+        "chain_seeds": ">= 1", "chain_samples": ">= 1"}  # fmt: skip
     CHOICES: ClassVar[dict[str, Choice]] = {"source": SOURCES, "acceptance": ACCEPTANCE}
 
     def __post_init__(self) -> None:

@@ -174,7 +174,7 @@ def _chain(pair: tuple[str, str], ready: set[str], out: Path, settings: Synthesi
     outcomes = [bool(t.success) for t in trajectories]
     record = {"chain": name, "parts": list(pair), "env": suite.name, "seeds": [settings.chain_seeds[0],
               settings.chain_seeds[-1] + 1], "samples": settings.chain_samples, "episodes": len(outcomes),
-              "successes": sum(outcomes), "rollouts": ROLLOUTS}
+              "successes": sum(outcomes), "rollouts": ROLLOUTS, "tools": suite.tools}
     write_chain(out / CHAINS / name, record)
     log.info("synthesize chain %s: %d of %d base-policy episodes succeed", name, record["successes"], len(outcomes))
     return {"chain": name, "status": "ready", "episodes": len(outcomes), "successes": record["successes"]}
