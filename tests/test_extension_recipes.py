@@ -258,7 +258,7 @@ def test_adding_a_strategy_with_settings_touches_6_files(tmp_path):
     init = copy / "tracekit/methods/consolidate/__init__.py"
     _edit(init, "from tracekit.methods.consolidate.arrow import Arrow\n",
           "from tracekit.methods.consolidate.arrow import Arrow\nfrom tracekit.methods.consolidate.echo_strategy import EchoStrategy\n")
-    _edit(init, "OnPolicyDistill(), Arrow())", "OnPolicyDistill(), Arrow(), EchoStrategy())")
+    _edit(init, "Arrow(), Route())", "Arrow(), Route(), EchoStrategy())")
     (copy / "conf/consolidation/echo_strategy.yaml").write_text("method: echo_strategy\necho_strategy:\n  scale: 2.0\n")
     _edit(copy / "sweeps/consolidation.yaml", "on_policy_distill,arrow\n", "on_policy_distill,arrow,echo_strategy\n")
     _edit(copy / "docs/ARCHITECTURE.md", "<!-- registry: strategies -->\n| strategy | module | output | budget |\n|---|---|---|---|\n",

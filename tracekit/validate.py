@@ -25,6 +25,7 @@ from tracekit.llm.backbones import BACKBONES
 from tracekit.llm.base import EndpointError
 from tracekit.llm.openai import OpenAIChatClient
 from tracekit.methods import METHODS, validate_methods
+from tracekit.methods.consolidate import STRATEGIES
 from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
 from tracekit.ranges import check_choice, check_value, declared, field_hints
 from tracekit.rl.distill import DistillSettings
@@ -219,6 +220,7 @@ def _validate(cfg: DictConfig) -> None:
         _check(not cfg.moe.base_slot, "moe.base_slot", True,
                "false with consolidation.gate.objective=grpo (each trajectory's expert is a capability adapter; the "
                "base slot has none to roll out)")
+    STRATEGIES[cfg.consolidation.method].validate(cfg)  # the strategy's own refusals (issue 53)
     _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
            cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
     if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:

@@ -28,7 +28,9 @@ from tracekit.llm.backbones import get_spec, load_backbone
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
 from tracekit.llm.hf import HFChatClient
 from tracekit.llm.openai import OpenAIChatClient
+from tracekit.llm.tools import encode_prompt
 from tracekit.moe.model import LoRAMoEModel
+from tracekit.moe.routed import routed_client
 from tracekit.pipeline import plain
 
 __all__ = ["ChatClient", "ChatRequest", "ChatResponse", "EndpointError", "make_client"]
@@ -113,9 +115,12 @@ def _make_hf(cfg: dict[str, Any]) -> ChatClient:
         model = PeftModel.from_pretrained(model, cfg["adapter"]).eval()
     if cfg.get("moe"):
         model = LoRAMoEModel.load(cfg["moe"], backbone=model).eval()
-    return HFChatClient(
+    client = HFChatClient(
         model,
         tokenizer,
         chat_format=cfg.get("chat_format") or spec.chat_format,
         **{k: v for k, v in cfg.items() if k in _HF_KEYS},
     )
+    if cfg.get("moe"):  # a LoRA-MoE routed per turn or per episode decides before each turn (issue 53)
+        return routed_client(client, model, cfg["moe"], lambda m, t: encode_prompt(tokenizer, m, t), client.pad_id)
+    return client

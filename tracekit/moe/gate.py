@@ -491,6 +491,21 @@ def train_gates_soft_target(
     return rows
 
 
+def prompt_decisions(model: LoRAMoEModel, prompts: Sequence[Sequence[int]], starts: Sequence[int],
+                     pad_id: int = 0) -> torch.Tensor:
+    """The routing distribution [B, S] a turn or an episode is decided from (issue 53): the gates' probabilities
+    under the token-level inference routing, averaged over each prompt's tokens from ``starts[i]`` on (the turn's
+    new tokens, read in the context of the whole prompt) and then over the blocks (:func:`prompt_routing`)."""
+    if len(prompts) != len(starts) or any(not 0 <= s < len(p) for p, s in zip(prompts, starts)):
+        raise ValueError("each prompt needs a start inside it")
+    batch = collate([GateExample(list(p), [0] * s + [1] * (len(p) - s)) for p, s in zip(prompts, starts)], pad_id)
+    device = model.model.get_output_embeddings().weight.device
+    attn = batch["attention_mask"].to(device)
+    with torch.no_grad(), model.routing(model.inference_spec):
+        model.model.model(input_ids=batch["input_ids"].to(device), attention_mask=attn, use_cache=False)
+        return prompt_routing(_block_probs(model, tuple(attn.shape)), batch["loss_mask"].to(device)).cpu()
+
+
 def expert_logprobs(model: LoRAMoEModel, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> torch.Tensor:
     """log pi(c | prompt) [B, S] of the trajectory-level expert policy (:func:`prompt_routing`) on each prompt's
     tokens, under the inference routing, with the autograd graph to the gates when grad is enabled."""

@@ -123,6 +123,22 @@ def topk_weights(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.
     return w, idx
 
 
+def decision_weights(probs: torch.Tensor, soft_top_k: int | None, temperature: float = 1.0) -> torch.Tensor:
+    """One routing decision per row (a turn or an episode, issue 53): its routing distribution ``probs`` [B, S] ->
+    slot weights [B, S] summing to 1 per row. Hard (``soft_top_k=None``): all weight on the most probable slot (the
+    chosen adapter at full weight, as it was trained). Soft top-k: the k most probable slots weighed by
+    softmax(log p / temperature) over those k, 0 elsewhere."""
+    if soft_top_k is None:
+        return torch.zeros_like(probs).scatter(-1, probs.argmax(-1, keepdim=True), 1.0)
+    if soft_top_k > probs.shape[-1]:
+        raise ValueError(f"soft_top_k={soft_top_k} exceeds the number of gate slots {probs.shape[-1]}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    p, idx = torch.topk(probs, soft_top_k, dim=-1)
+    w = torch.softmax(p.clamp_min(1e-30).log() / temperature, dim=-1)
+    return torch.zeros_like(probs).scatter(-1, idx, w)
+
+
 def masked_topk_probs(probs: torch.Tensor, k: int, renormalize: bool) -> torch.Tensor:
     """probs [T, S] -> [T, S] with every slot outside each token's top-k set to 0."""
     w, idx = topk_weights(probs, k, renormalize)

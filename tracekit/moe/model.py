@@ -37,7 +37,8 @@ from torch import nn
 from tracekit.artifacts import atomic_write_json, read_json
 from tracekit.moe.arrow import arrow_prototype
 from tracekit.moe.counts import composed_parameter_counts, format_counts
-from tracekit.moe.layer import BlockGate, BlockRouting, LoRAMoELinear, RoutingSpec
+from tracekit.moe.layer import BlockGate, BlockRouting, LoRAMoELinear, RoutingSpec, decision_weights
+from tracekit.ranges import check_choice, check_value
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,15 @@ class MoEConfig:
     "arrow" (training-free, :mod:`tracekit.moe.arrow`: every adapted projection routes its own input by its
     adapters' prototypes, ``top_k`` of them weighed by a softmax at ``router_temperature``; no gate, no base slot,
     every adapter of one rank on one set of modules).
+    granularity (issue 53): "token" (the paper's: every token routed by its block's gate), "turn" (one decision per
+    assistant turn, from the turn's prompt) or "trajectory" (one decision per episode, from its opening); the two
+    coarse ones are applied by :class:`tracekit.moe.routed.PromptRoutedClient`, which pins every gate to the
+    decision's weights for the turn (:meth:`LoRAMoEModel.pinned`).
+    soft_top_k / soft_temperature: None = hard routing (``top_k``; the paper's top-1); k = soft top-k mixing at
+    inference, the k most probable slots weighed by softmax(logit / soft_temperature) over those k (weights sum to
+    1). At token granularity the temperature is folded into the gates when a saved model is loaded for inference.
+    decider: "gate" (the decisions come from the gates) or "task" (``consolidation=route``: a task-level router
+    decides per episode, :mod:`tracekit.moe.task_router`; the gates only carry its decisions).
     """
 
     top_k: int = 1
@@ -80,6 +90,10 @@ class MoEConfig:
     seed: int = 0
     router: str = "gate"
     router_temperature: float = 1.0
+    granularity: str = "token"
+    soft_top_k: int | None = None
+    soft_temperature: float = 1.0
+    decider: str = "gate"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MoEConfig:
@@ -88,6 +102,32 @@ class MoEConfig:
         if unknown:
             raise ValueError(f"unknown MoE config keys: {sorted(unknown)} (known: {sorted(known)})")
         return cls(**d)
+
+    def __post_init__(self) -> None:
+        check_choice("granularity", self.granularity, GRANULARITIES)
+        check_choice("decider", self.decider, ("gate", "task"))
+        check_value("soft_top_k", self.soft_top_k, ">= 1")
+        check_value("soft_temperature", self.soft_temperature, "> 0")
+        if self.decider == "task" and (self.granularity != "trajectory" or not self.include_base_slot):
+            raise ValueError("decider 'task' decides once per episode over the adapters and the base: it needs "
+                             "granularity 'trajectory' and include_base_slot")
+        if self.router == "arrow" and (self.granularity != "token" or self.soft_top_k is not None):
+            raise ValueError("Arrow routes every token by its own prototypes (its top_k and router_temperature): no "
+                             "granularity or soft top-k of the gate")
+
+    def saved(self) -> dict[str, Any]:
+        """The fields as saved in ``moe_config.json``: the routing fields added with issue 53 only where they are not
+        their defaults, so a model composed as before saves the same file."""
+        out = asdict(self)
+        for name in _ROUTING_FIELDS:
+            if out[name] == _ROUTING_DEFAULTS[name]:
+                del out[name]
+        return out
+
+
+GRANULARITIES = ("token", "turn", "trajectory")  # MoEConfig.granularity: how often the routing is decided
+_ROUTING_FIELDS = ("granularity", "soft_top_k", "soft_temperature", "decider")
+_ROUTING_DEFAULTS = {f.name: f.default for f in fields(MoEConfig) if f.name in _ROUTING_FIELDS}
 
 
 @dataclass
@@ -273,6 +313,7 @@ class LoRAMoEModel(nn.Module):
         self._hooks = [
             layers[b].register_forward_pre_hook(self._gate_hook(b), with_kwargs=True) for b in hooked
         ] + [layers[b].register_forward_hook(self._release_hook(b)) for b in hooked]
+        self._tempered = False  # apply_inference_temperature ran: the gates hold logits / T
         self.assert_frozen()
 
     def _gate_hook(self, block: int) -> Callable:
@@ -318,7 +359,10 @@ class LoRAMoEModel(nn.Module):
 
     @property
     def inference_spec(self) -> RoutingSpec:
-        return RoutingSpec(self.moe_config.top_k, self.moe_config.renormalize, self.moe_config.impl)
+        c = self.moe_config
+        if c.soft_top_k is not None:  # soft top-k: the kept slots' weights renormalized (they sum to 1)
+            return RoutingSpec(c.soft_top_k, True, c.impl)
+        return RoutingSpec(c.top_k, c.renormalize, c.impl)
 
     @property
     def training_spec(self) -> RoutingSpec:
@@ -341,6 +385,53 @@ class LoRAMoEModel(nn.Module):
             yield
         finally:
             self.set_routing(old)
+
+    @contextlib.contextmanager
+    def pinned(self, weights: torch.Tensor) -> Iterator[None]:
+        """Route every token of every adapted block with the fixed slot weights ``weights`` [S] (a turn's or an
+        episode's decision: non-negative, summing to 1) until exit: each gate's weight is zeroed and its bias set to
+        log(weights), so softmax gives exactly ``weights`` on every token, under the dense mixture. The plain forward
+        (gate hooks) and the fast decoder (which copies the gates when their version counters move) both route
+        so; the gates and the routing spec are restored on exit."""
+        if self.router != "gate":
+            raise ValueError(f"router {self.router!r} has no gates to pin")
+        w = torch.as_tensor(weights, dtype=torch.float32).flatten()
+        if w.numel() != len(self.slot_names) or bool((w < 0).any()) or abs(float(w.sum()) - 1.0) > 1e-4:
+            raise ValueError(f"pinned weights must be {len(self.slot_names)} non-negative values summing to 1, "
+                             f"got {w.tolist()}")
+        saved = {b: (g.weight.detach().clone(), g.bias.detach().clone()) for b, g in self.gates.items()}
+        try:
+            with torch.no_grad():
+                for g in self.gates.values():
+                    g.weight.zero_()
+                    g.bias.copy_(w.log().to(g.bias))  # log 0 = -inf: that slot's probability is exactly 0
+            with self.routing(RoutingSpec(None, False, self.moe_config.impl)):
+                yield
+        finally:
+            with torch.no_grad():
+                for b, g in self.gates.items():
+                    g.weight.copy_(saved[b][0])
+                    g.bias.copy_(saved[b][1])
+
+    def decide(self, probs: torch.Tensor) -> torch.Tensor:
+        """Slot weights [B, S] of one turn's or episode's decision from its routing distribution ``probs`` [B, S]
+        (:func:`tracekit.moe.gate.prompt_decisions`), by the configured hard or soft top-k
+        (:func:`tracekit.moe.layer.decision_weights`)."""
+        c = self.moe_config
+        return decision_weights(probs, c.soft_top_k, c.soft_temperature)
+
+    def apply_inference_temperature(self) -> None:
+        """Fold ``soft_temperature`` into the gates (logits / T) for token-level soft top-k: every decoder computes
+        ``softmax(h W^T + b)`` from the gate's parameters, so scaling them is the tempered softmax on every path.
+        A model so scaled is an inference view: :meth:`save` refuses it."""
+        c = self.moe_config
+        if c.soft_top_k is None or c.granularity != "token" or c.soft_temperature == 1.0 or self._tempered:
+            return
+        with torch.no_grad():
+            for g in self.gates.values():
+                g.weight.div_(c.soft_temperature)
+                g.bias.div_(c.soft_temperature)
+        self._tempered = True
 
     def gate_probs(self) -> dict[int, torch.Tensor]:
         """Per adapted block, the gate probabilities [tokens, slots] of the latest forward."""
@@ -389,6 +480,8 @@ class LoRAMoEModel(nn.Module):
         """Write the composed model to ``directory`` atomically (temp dir + rename)."""
         if self.backbone_spec is None:
             raise ValueError("no backbone reference: pass backbone_spec=... to build_lora_moe to make it saveable")
+        if self._tempered:
+            raise ValueError("the gates hold logits / soft_temperature (an inference view): save the model as composed")
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
@@ -419,7 +512,7 @@ class LoRAMoEModel(nn.Module):
                     "blocks": self.blocks,
                     "adapted_modules": self.adapted_modules,
                     "slot_names": self.slot_names,
-                    "moe": asdict(self.moe_config),
+                    "moe": self.moe_config.saved(),
                 },
             )
             if directory.exists():
@@ -461,6 +554,7 @@ class LoRAMoEModel(nn.Module):
             for b, g in model.gates.items():
                 for k, p in g.named_parameters():
                     p.copy_(state[f"{b}.{k}"])
+        model.apply_inference_temperature()
         return model
 
 

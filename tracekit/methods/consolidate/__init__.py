@@ -14,10 +14,11 @@ from tracekit.methods.consolidate.merge import MERGES
 from tracekit.methods.consolidate.moe import LoRAMoE
 from tracekit.methods.consolidate.multi_grpo import MultiGRPO
 from tracekit.methods.consolidate.on_policy_distill import OnPolicyDistill
+from tracekit.methods.consolidate.route import Route
 from tracekit.methods.consolidate.sft_synthetic import SFTSynthetic
 
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (LoRAMoE(), *MERGES, MultiGRPO(), SFTSynthetic(), OnPolicyDistill(), Arrow())
+    s.name: s for s in (LoRAMoE(), *MERGES, MultiGRPO(), SFTSynthetic(), OnPolicyDistill(), Arrow(), Route())
 }
 
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
+from tracekit.config import _check, read_pinned_dictionary
 from tracekit.policy import Budget, Policy, PolicyKind, PolicyRow, budget_sum, grpo_budget
+from tracekit.targets import target_of
 
 
 @dataclass
@@ -24,6 +26,19 @@ class ConsolidationBudgetConfig:
 
 
 @dataclass
+class LamSearchConfig:
+    """The merges' scale chosen on validation data (issue 53): each value of ``scales`` merges the adapters at that
+    ``lam``, the merged adapter is rolled out greedily on the capability environments' validation seeds
+    ``0..validation_seeds-1`` (never the training seeds, 100,000 on, nor the held-out target's), and the value of the
+    highest mean reward is kept. None: no search, the merge's own ``lam``."""
+
+    scales: list[float] | None = None
+    validation_seeds: int | None = None  # instances of each capability environment every value is scored on
+
+    RANGES: ClassVar[dict[str, str]] = {"scales": "> 0", "validation_seeds": ">= 1"}
+
+
+@dataclass
 class ConsolidationSettings:
     """The ``consolidation`` fields every strategy shares; each strategy's own settings are its
     :attr:`Strategy.settings`, mounted at ``consolidation.<Strategy.mount>``
@@ -31,6 +46,7 @@ class ConsolidationSettings:
 
     method: str = "moe"  # a name of STRATEGIES (conf/consolidation/<name>.yaml)
     budget: ConsolidationBudgetConfig = field(default_factory=ConsolidationBudgetConfig)
+    lam_search: LamSearchConfig = field(default_factory=LamSearchConfig)  # the merges' scale on validation seeds
 
 
 if TYPE_CHECKING:
@@ -48,6 +64,7 @@ class Consolidated:
     budget: Budget  # everything it consumed, the capability adapters' training included where it uses them
     weights: Artifact | None = None  # a sub-artifact holding the weights (None: the compose artifact itself)
     notes: tuple[str, ...] = ()
+    label: str | None = None  # its row's label when the result names a value it chose (None: the strategy's row_label)
 
 
 class Strategy(ABC):
@@ -69,6 +86,13 @@ class Strategy(ABC):
         """The pipeline stages it reads beyond ``train`` under ``cfg`` (default: :attr:`inputs`)."""
         return self.inputs
 
+    def validate(self, cfg: DictConfig) -> None:
+        """Refuse settings this strategy cannot run with (``ConfigError``, one line) before any work. Every strategy
+        but the merges refuses a merge-scale search (it has no scale)."""
+        scales = cfg.consolidation.lam_search.scales
+        _check(scales is None, "consolidation.lam_search.scales", None if scales is None else list(scales),
+               f"null with consolidation={self.name} (only the merges take a scale)")
+
     @abstractmethod
     def consolidate(self, ctx: StageContext, adapters: dict[str, Artifact]) -> Consolidated:
         """Write the consolidated weights under ``ctx.work_dir`` and say what they are."""
@@ -83,6 +107,22 @@ class Strategy(ABC):
             f"{b['generated_tokens']:,} generated tokens, {b['optimizer_steps']:,} optimizer steps.{notes}"))
 
 
+def dictionary_size(cfg: DictConfig) -> int | None:
+    """How many capabilities the run's dictionary holds where that is known before any work (the target's reference
+    dictionary, a pinned file); None where discovery makes it."""
+    a = cfg.analysis
+    if a.discovery == "reference":
+        return len(target_of(cfg).reference_dictionary())
+    if a.discovery == "pinned":
+        return len(read_pinned_dictionary(cfg))
+    return None
+
+
+def check_top_k(k: int | None, slots: int, key: str) -> None:
+    """Refuse (one line, before a compose does any work) a top-k over more slots than the composed model has."""
+    _check(k is None or k <= slots, key, k, f"<= {slots}, the composed model's gate slots (the selected adapters, and the base slot)")
+
+
 def adapters_budget(adapters: dict[str, Artifact]) -> Budget:
     """The per-capability GRPO runs' budgets, summed (what consolidations that reuse them consumed)."""
     return budget_sum(grpo_budget(a) for a in adapters.values())
@@ -90,7 +130,8 @@ def adapters_budget(adapters: dict[str, Artifact]) -> Budget:
 
 def write_consolidated(work_dir, strategy: Strategy, result: Consolidated, cfg: DictConfig) -> None:
     atomic_write_json(work_dir / CONSOLIDATED, {
-        "strategy": strategy.name, "label": strategy.row_label(cfg), "kind": result.kind, "subdir": result.subdir,
+        "strategy": strategy.name, "label": result.label or strategy.row_label(cfg), "kind": result.kind,
+        "subdir": result.subdir,
         "weights": result.weights.ref() if result.weights else None, "budget": result.budget.to_dict(),
         "notes": list(result.notes)})
 

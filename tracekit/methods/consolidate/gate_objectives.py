@@ -48,10 +48,10 @@ from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import HFChatClient, padding_id
 from tracekit.llm.tools import encode_prompt
 from tracekit.moe.gate import expert_logprobs
-from tracekit.moe.model import LoRAMoEModel
+from tracekit.moe.model import GRANULARITIES, LoRAMoEModel
 from tracekit.pipeline import StageContext
 from tracekit.policy import Budget
-from tracekit.ranges import Choice
+from tracekit.ranges import Choice, check_declared
 from tracekit.rl import grpo
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.runs import package_identity, train_seeds
@@ -92,12 +92,41 @@ class GateGrpoConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """How the trained gates route at inference (issue 53). The defaults are the paper's (token-level, hard top-k by
+    ``moe.top_k``) and keep TRACE's compose key; any other value is read by compose and names the row."""
+
+    granularity: str = "token"  # token (each token by its block's gate) | turn (one decision per assistant turn) | trajectory (one per episode)
+    soft_top_k: int | None = None  # None: hard routing; k: soft top-k mixing, weights softmax(logit / temperature) over the k kept
+    temperature: float = 1.0  # of soft top-k (only with soft_top_k)
+
+    RANGES: ClassVar[dict[str, str]] = {"soft_top_k": ">= 1", "temperature": "> 0"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"granularity": GRANULARITIES}
+
+    def __post_init__(self) -> None:
+        check_declared("consolidation.gate.routing", self)
+
+    @property
+    def is_default(self) -> bool:
+        return self.granularity == "token" and self.soft_top_k is None and self.temperature == 1.0
+
+    def label(self) -> str:
+        """The row's words for a non-default routing: ``turn routing``, ``soft top-2 T=0.5``, ..."""
+        parts = [] if self.granularity == "token" else [f"{self.granularity} routing"]
+        if self.soft_top_k is not None:
+            parts.append(f"soft top-{self.soft_top_k}" + (f" T={self.temperature:g}" if self.temperature != 1.0 else ""))
+        return ", ".join(parts)
+
+
+@dataclass
 class GateObjectiveConfig:
-    """The ``moe`` strategy's gate objective (issue 39): ce_lb (the paper's), soft_target or grpo."""
+    """The ``moe`` strategy's gate objective (issue 39): ce_lb (the paper's), soft_target or grpo; and how the gates
+    route at inference (issue 53, ``routing``)."""
 
     objective: str = "ce_lb"
     soft_target: SoftTargetConfig = field(default_factory=SoftTargetConfig)
     grpo: GateGrpoConfig = field(default_factory=GateGrpoConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     CHOICES: ClassVar[dict[str, Choice]] = {"objective": ("ce_lb", "soft_target", "grpo")}
 
@@ -189,33 +218,41 @@ def measure_rewards(ctx: StageContext, slots: dict[str, Artifact | None], pkgs: 
                     ) -> dict[str, dict[str, float]]:
     """{environment capability: {slot: mean reward}}: each slot's policy (an adapter; None: the base) rolled out
     greedily on ``n`` instances of each environment, one cached ``gate_rewards`` sub-artifact per pair."""
-    cfg = ctx.cfg
     seeds = list(range(MEASURE_SEED_OFFSET, MEASURE_SEED_OFFSET + n))
     out: dict[str, dict[str, float]] = {}
     for env_cap, pkg in sorted(pkgs.items()):
         for slot, art in slots.items():
-            key = stable_hash({"adapter": None if art is None else art.content_key, "env": package_identity(pkg),
-                               "seeds": seeds, "backbone": backbone_dict(cfg), "agent": plain(cfg.agent),
-                               "max_steps": cfg.eval.max_steps, "context_budget": cfg.eval.context_budget}, length=20)
-
-            def compute(work: Path, art=art, pkg=pkg) -> None:
-                agent = llm_agent(cfg, 0.0, adapter=None if art is None else str(art.path / "adapter"))
-                suite = open_package(pkg, seeds)
-                try:
-                    run_rollouts(suite, agent, work / "episodes", samples=1, seed=0, max_steps=cfg.eval.max_steps,
-                                 context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size,
-                                 progress=False)
-                finally:
-                    suite.close()
-                trajs = read_trajectories(work / "episodes")
-                atomic_write_json(work / "rewards.json", {"mean": sum(t.reward for t in trajs) / len(trajs),
-                                                          "episodes": len(trajs)})
-
-            t0 = time.time()
-            got = ctx.cache.get_or_compute("gate_rewards", key, compute, meta={"slot": slot, "env": env_cap})
-            ctx.use(got, time.time() - t0)
-            out.setdefault(env_cap, {})[slot] = float(read_json(got.path / "rewards.json")["mean"])
+            out.setdefault(env_cap, {})[slot] = rollout_reward(
+                ctx, "gate_rewards", None if art is None else art.content_key,
+                None if art is None else art.path / "adapter", pkg, seeds, {"slot": slot, "env": env_cap})
     return out
+
+
+def rollout_reward(ctx: StageContext, kind: str, identity: str | None, adapter: Path | None, pkg: Path,
+                   seeds: list[int], meta: dict[str, Any]) -> float:
+    """The mean reward of the backbone with ``adapter`` (None: alone), whose content ``identity`` names, rolled out
+    greedily on ``seeds`` of the environment package ``pkg``: a cached ``<kind>/<key>`` sub-artifact."""
+    cfg = ctx.cfg
+    key = stable_hash({"adapter": identity, "env": package_identity(pkg), "seeds": seeds, "backbone": backbone_dict(cfg),
+                       "agent": plain(cfg.agent), "max_steps": cfg.eval.max_steps,
+                       "context_budget": cfg.eval.context_budget}, length=20)
+
+    def compute(work: Path) -> None:
+        agent = llm_agent(cfg, 0.0, adapter=None if adapter is None else str(adapter))
+        suite = open_package(pkg, seeds)
+        try:
+            run_rollouts(suite, agent, work / "episodes", samples=1, seed=0, max_steps=cfg.eval.max_steps,
+                         context_budget=cfg.eval.context_budget, batch_size=cfg.agent.batch_size, progress=False)
+        finally:
+            suite.close()
+        trajs = read_trajectories(work / "episodes")
+        atomic_write_json(work / "rewards.json", {"mean": sum(t.reward for t in trajs) / len(trajs),
+                                                  "episodes": len(trajs)})
+
+    t0 = time.time()
+    got = ctx.cache.get_or_compute(kind, key, compute, meta=meta)
+    ctx.use(got, time.time() - t0)
+    return float(read_json(got.path / "rewards.json")["mean"])
 
 
 # --------------------------------------------------------------------------------------------- GRPO on the gates

@@ -9,6 +9,14 @@
 Every merge scales the merged update by ``lam``. One adapter: the merge is that adapter, unchanged (noted
 in the table). The equal-shape merges refuse adapters whose ranks or target modules differ, in one line
 naming both.
+
+``consolidation.lam_search`` (issue 53) chooses ``lam`` on validation data instead: each value merges the adapters
+at that scale, the merged adapter is rolled out greedily on the validation seeds ``0..validation_seeds-1`` of every
+ready capability environment (never the training seeds nor the held-out target's instances; each a cached
+``merge_validation`` sub-artifact), and the value of the highest mean reward over the environments wins (ties: the
+first listed). The chosen value is in the row's label (``Merge: linear (lam 0.5 on validation)``) and its notes
+(every value's mean reward); the merge's own ``lam`` is not used. The search rolls episodes out: they count in the
+row's budget.
 """
 
 from __future__ import annotations
@@ -17,11 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tracekit.artifacts import Artifact
+from omegaconf import OmegaConf
+
+from tracekit.artifacts import Artifact, file_sha256
+from tracekit.config import _check
 from tracekit.merging.core_space import RANK_POLICIES, core_tsv_merge
 from tracekit.merging.lora_io import LoraFactors, read_adapter_config, read_lora_adapter, write_lora_adapter
 from tracekit.merging.merges import MAJORITY_SIGNS, merge_cat, merge_dare_ties, merge_linear, merge_ties
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+from tracekit.methods.consolidate.gate_objectives import MEASURE_READS, rollout_reward
+from tracekit.policy import Budget
+from tracekit.runs import ready_capabilities
 from tracekit.ranges import Choice
 
 
@@ -68,7 +82,21 @@ class Merge(Strategy):
         self.mount = "merge" if settings is MergeConfig else "core_tsv"
 
     def reads(self, cfg):
-        return (f"consolidation.{self.mount}",)
+        if cfg.consolidation.lam_search.scales is None:  # the merge's own lam: the keys as before issue 53
+            return (f"consolidation.{self.mount}",)
+        return (f"consolidation.{self.mount}", "consolidation.lam_search", *MEASURE_READS)
+
+    def stage_inputs(self, cfg):
+        # a scale search rolls the merged adapters out in the capability environments
+        return () if cfg.consolidation.lam_search.scales is None else ("synthesize",)
+
+    def validate(self, cfg) -> None:
+        s = cfg.consolidation.lam_search
+        if s.scales is not None:
+            _check(len(s.scales) >= 1, "consolidation.lam_search.scales", list(s.scales), "a non-empty list or null")
+            _check(s.validation_seeds is not None, "consolidation.lam_search.validation_seeds", s.validation_seeds,
+                   ">= 1 with consolidation.lam_search.scales (each scale is scored on the capability environments' "
+                   "validation seeds, never on the held-out tasks)")
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         budget = adapters_budget(adapters)  # a merge consumes nothing beyond the adapters' GRPO runs
@@ -79,12 +107,50 @@ class Merge(Strategy):
                                 notes=(f"one capability adapter ({cap}): the merge is that adapter, unchanged",))
         factors = {cap: read_lora_adapter(a.path / "adapter") for cap, a in adapters.items()}
         settings = ctx.cfg.consolidation[self.mount]
-        merged = self._merge(factors, settings, ctx.seed)
-        first = next(iter(adapters.values()))
-        write_lora_adapter(out, merged, base_config=read_adapter_config(first.path / "adapter"))
+        base_config = read_adapter_config(next(iter(adapters.values())).path / "adapter")
+        search = ctx.cfg.consolidation.lam_search
+        label, notes = None, []
+        if search.scales is None:
+            merged = self._merge(factors, settings, ctx.seed)
+            write_lora_adapter(out, merged, base_config=base_config)
+        else:
+            lam, scores, episodes = self._search(ctx, factors, settings, base_config, [float(v) for v in search.scales],
+                                                 int(search.validation_seeds))
+            merged = self._merge(factors, _with_lam(settings, lam), ctx.seed)
+            write_lora_adapter(out, merged, base_config=base_config)
+            budget += Budget(episodes=episodes)
+            label = f"{self.label} (lam {lam:g} on validation)"
+            notes.append(f"lam {lam:g} chosen on {search.validation_seeds} validation seeds per capability environment "
+                         "(mean reward: " + ", ".join(f"lam {v:g}: {r:.3f}" for v, r in scores.items()) + ")")
         ranks = sorted({f.rank for f in merged.values()})
-        return Consolidated("adapter", SUBDIR, budget, notes=(f"{self.summary}; merged rank {'/'.join(map(str, ranks))} "
-                                                        f"over {len(adapters)} adapters",))
+        notes.insert(0, f"{self.summary}; merged rank {'/'.join(map(str, ranks))} over {len(adapters)} adapters")
+        return Consolidated("adapter", SUBDIR, budget, notes=tuple(notes), label=label)
+
+    def _search(self, ctx, factors: dict, settings: Any, base_config: dict, values: list[float], n: int
+                ) -> tuple[float, dict[float, float], int]:
+        """(the chosen lam, each value's mean reward over the ready capability environments, episodes rolled out)."""
+        syn = ctx.inputs["synthesize"]
+        pkgs = {cap: syn.path / cap for cap in ready_capabilities(syn)}
+        if not pkgs:
+            raise RuntimeError("compose: no ready capability environment to choose the merge scale on")
+        seeds = list(range(n))  # the environments' validation seeds (training starts at 100,000, the target at 10^7)
+        scores: dict[float, float] = {}
+        for lam in values:
+            where = ctx.work_dir / "lam_search" / f"lam_{lam:g}"
+            write_lora_adapter(where, self._merge(factors, _with_lam(settings, lam), ctx.seed), base_config=base_config)
+            identity = file_sha256(where / "adapter_model.safetensors")
+            rewards = [rollout_reward(ctx, "merge_validation", identity, where, pkg, seeds,
+                                      {"strategy": self.name, "lam": lam, "env": cap}) for cap, pkg in sorted(pkgs.items())]
+            scores[lam] = sum(rewards) / len(rewards)
+        best = max(values, key=lambda v: (scores[v], -values.index(v)))
+        return best, scores, len(values) * len(pkgs) * n
+
+
+def _with_lam(settings: Any, lam: float) -> Any:
+    """The merge's settings with ``lam`` replaced (a copy; the config is not touched)."""
+    copy = OmegaConf.create(OmegaConf.to_container(settings, resolve=True))
+    copy.lam = lam
+    return copy
 
 
 def _weights(settings: Any, n: int, default: float) -> list[float]:

@@ -20,9 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import padding_id
-from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
-from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, GateObjectiveConfig, measure_rewards,
-                                                          train_gates_grpo)
+from tracekit.config import _check
+from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget, check_top_k, dictionary_size
+from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, GateObjectiveConfig, RoutingConfig,
+                                                          measure_rewards, train_gates_grpo)
 from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, mix_uniformly, soft_targets,
                                split_heldout, train_gates, train_gates_soft_target, write_log_csv)
 from tracekit.moe.model import MoEConfig, build_lora_moe
@@ -33,6 +34,17 @@ from tracekit.wiring import backbone_dict, device, dtype
 
 
 GATE_LABELS = {"soft_target": "soft-target", "grpo": "GRPO"}  # the rows of gates trained otherwise than ce_lb
+
+
+def routing_of(cfg) -> RoutingConfig:
+    """``consolidation.gate.routing``; the paper's routing where the compose stage's view masks it (it reads the group
+    only when it is not the default)."""
+    node: Any = cfg
+    for part in ("consolidation", "gate", "routing"):
+        node = OmegaConf.select(node, part, default=None) if isinstance(node, DictConfig) else None
+    if not isinstance(node, DictConfig):
+        return RoutingConfig()
+    return RoutingConfig(**{f.name: node[f.name] for f in fields(RoutingConfig)})
 
 
 def gate_objective(cfg) -> str:
@@ -61,15 +73,32 @@ class LoRAMoE(Strategy):
     label = "TRACE"
 
     def row_label(self, cfg) -> str:
-        """TRACE under the paper's gate; a gate trained otherwise says so (``TRACE (soft-target gate)``)."""
+        """TRACE under the paper's gate and routing; a gate trained otherwise or routed otherwise says so
+        (``TRACE (soft-target gate)``, ``TRACE (turn routing, soft top-2)``)."""
         objective = gate_objective(cfg)
-        return self.label if objective == "ce_lb" else f"TRACE ({GATE_LABELS[objective]} gate)"
+        words = ([] if objective == "ce_lb" else [f"{GATE_LABELS[objective]} gate"]) + [routing_of(cfg).label()]
+        words = [w for w in words if w]
+        return f"{self.label} ({', '.join(words)})" if words else self.label
+
+    def validate(self, cfg) -> None:
+        """A temperature without soft top-k is a knob that does nothing; soft top-k over more slots than the dictionary
+        could ever select is refused here (against the selected adapters again when compose starts)."""
+        super().validate(cfg)
+        r = routing_of(cfg)
+        _check(r.soft_top_k is not None or r.temperature == 1.0, "consolidation.gate.routing.temperature",
+               r.temperature, "1.0 without consolidation.gate.routing.soft_top_k (it tempers soft top-k mixing only)")
+        bound = dictionary_size(cfg)
+        if r.soft_top_k is not None and bound is not None:
+            slots = bound + (1 if cfg.moe.base_slot else 0)
+            _check(r.soft_top_k <= slots, "consolidation.gate.routing.soft_top_k", r.soft_top_k,
+                   f"<= {slots}, the gate slots of the most adapters this dictionary can select")
 
     def reads(self, cfg):
         objective = gate_objective(cfg)
+        routing = () if routing_of(cfg).is_default else ("consolidation.gate.routing",)
         if objective == "ce_lb":  # the paper's gate: TRACE's keys as before the other objectives existed
-            return ("moe",)
-        reads = ["moe", "consolidation.gate.objective"]
+            return ("moe", *routing)
+        reads = ["moe", "consolidation.gate.objective", *routing]
         if warm_objective(cfg) == "soft_target":
             reads += ["consolidation.gate.soft_target", *MEASURE_READS]
         if objective == "grpo":
@@ -82,6 +111,8 @@ class LoRAMoE(Strategy):
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         cfg, m = ctx.cfg, ctx.cfg.moe
+        routing = routing_of(cfg)
+        check_top_k(routing.soft_top_k, len(adapters) + (1 if m.base_slot else 0), "consolidation.gate.routing.soft_top_k")
         objective, warm = gate_objective(cfg), warm_objective(cfg)
         groups = {cap: gate_examples(a.path, m.gate_data == "successes") for cap, a in adapters.items()}
         empty = [c for c, ex in groups.items() if not ex]
@@ -98,7 +129,9 @@ class LoRAMoE(Strategy):
         model = build_lora_moe(backbone, {c: str(a.path / "adapter") for c, a in adapters.items()},
                                MoEConfig(top_k=m.top_k, renormalize=m.renormalize, impl=m.impl,
                                          train_top_k=m.train_top_k, include_base_slot=m.base_slot,
-                                         gate_init_std=m.gate_init_std, seed=ctx.seed),
+                                         gate_init_std=m.gate_init_std, seed=ctx.seed,
+                                         granularity=routing.granularity, soft_top_k=routing.soft_top_k,
+                                         soft_temperature=routing.temperature),
                                backbone_spec={"tracekit_backbone": backbone_dict(cfg)})
         pad = padding_id(tokenizer)
 
@@ -153,6 +186,8 @@ class LoRAMoE(Strategy):
         # rollouts are episodes of their own
         gate = Budget(optimizer_steps=len(log_rows)) + spent
         notes = () if objective == "ce_lb" else (gate_note(objective, warm, extra),)
+        if not routing.is_default:
+            notes += (f"inference routing: {routing.label()} (consolidation.gate.routing)",)
         return Consolidated("moe", "moe", adapters_budget(adapters) + gate, notes=notes)
 
     def report(self, art, ctx) -> None:
