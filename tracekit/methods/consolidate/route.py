@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 
 from tracekit.artifacts import Artifact, atomic_write_json, iter_jsonl, read_json
-from tracekit.config import ConfigError, read_pinned_dictionary
+from tracekit.config import ConfigError
 from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import padding_id
 from tracekit.llm.tools import encode_prompt
@@ -50,7 +50,6 @@ from tracekit.merging.merges import merge_cat
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.moe.model import MoEConfig, build_lora_moe
 from tracekit.moe.task_router import TaskRouter, example_text, save_task_router, task_text
-from tracekit.targets import target_of
 from tracekit.types import Message
 from tracekit.wiring import backbone_dict, device, dtype
 
@@ -70,11 +69,6 @@ class RouteConfig:
                                         "example_chars": ">= 1"}
 
 
-def blank_descriptions(capabilities: list[Any]) -> list[str]:
-    """The names of the capabilities without a description (empty or white space)."""
-    return [c.name for c in capabilities if not (c.description or "").strip()]
-
-
 class Route(Strategy):
     name = "route"
     settings = RouteConfig
@@ -84,23 +78,11 @@ class Route(Strategy):
     def reads(self, cfg):
         return ("consolidation.route",)
 
-    def validate(self, cfg) -> None:
-        """The router shows the base model each capability's description: a dictionary known before any work (the
-        target's reference one, a pinned file) must give every capability one; LLM discovery writes them."""
-        super().validate(cfg)
-        a = cfg.analysis
-        if a.discovery in ("reference", "pinned"):
-            caps = target_of(cfg).reference_dictionary() if a.discovery == "reference" else read_pinned_dictionary(cfg)
-            blank = blank_descriptions(caps)
-            if blank:
-                raise ConfigError(f"consolidation=route is invalid: the {a.discovery} dictionary has no description for "
-                                  f"{', '.join(blank)} (the task router classifies over the capabilities' descriptions)")
-
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         cfg, r = ctx.cfg, ctx.cfg.consolidation.route
         selected = {c["name"]: c.get("description") or "" for c in read_json(ctx.inputs["select"].path / SELECTED_NAMES)}
         blank = [c for c in adapters if not selected.get(c, "").strip()]
-        if blank:  # before any work: one line
+        if blank:  # before any work, one line (a dictionary without descriptions is refused at validation already)
             raise ConfigError(f"consolidation=route is invalid: the selected capabilities {', '.join(blank)} have no "
                               "description (the task router classifies over the capabilities' descriptions)")
         corpus = _corpus(adapters, int(r.trajectories_per_capability), int(r.example_chars), ctx.seed)
