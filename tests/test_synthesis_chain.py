@@ -209,3 +209,15 @@ def test_the_gate_trains_on_each_chains_successes_and_counts_every_episode(tmp_p
     (tmp_path / "none" / "environments.json").write_text('{"environments": [], "chains": []}')
     with pytest.raises(RuntimeError, match="synthesis.chains is set but .* has no ready chain"):
         chain_examples(tmp_path / "none", tok)
+
+
+def test_trace_with_composite_gate_data_names_its_row_and_reads_the_chains(make_cfg):
+    from tracekit.methods.consolidate import STRATEGIES
+
+    moe = STRATEGIES["moe"]
+    off = make_cfg("experiment=micro")
+    on = make_cfg("experiment=micro", "synthesis.chains=[refuse_locked+finish_all_writes]")
+    assert moe.row_label(off) == "TRACE" and "synthesis.chains" not in moe.reads(off)
+    assert moe.row_label(on) == "TRACE (composite gate data, beyond the paper)"
+    assert {"synthesis.chains", "synthesis.chain_seeds", "synthesis.chain_samples"} <= set(moe.reads(on))
+    assert moe.stage_inputs(off) == () and moe.stage_inputs(on) == ("synthesize",)

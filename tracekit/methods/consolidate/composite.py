@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tracekit.methods.adp_data import assistant_turns
 from tracekit.moe.gate import GateExample
@@ -35,9 +35,12 @@ COMPOSITE_SETTINGS = ("synthesis.chains", "synthesis.chain_seeds", "synthesis.ch
 
 
 def composite_on(cfg: DictConfig) -> bool:
-    """Whether the gate trains on chained episodes too (``synthesis.chains`` non-empty)."""
-    chains = OmegaConf.select(cfg, "synthesis.chains", default=None)
-    return bool(chains)
+    """Whether the gate trains on chained episodes too (``synthesis.chains`` non-empty); off where a stage's view masks
+    the group (one level at a time: a masked group reads as a MISSING string)."""
+    node: Any = cfg
+    for part in ("synthesis", "chains"):
+        node = OmegaConf.select(node, part, default=None) if isinstance(node, DictConfig) else None
+    return isinstance(node, ListConfig) and len(node) > 0
 
 
 def composite_reads(cfg: DictConfig) -> tuple[str, ...]:

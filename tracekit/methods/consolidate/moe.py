@@ -21,6 +21,8 @@ from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import padding_id
 from tracekit.config import _check
+from tracekit.methods.consolidate.composite import (COMPOSITE_WORDS, chain_examples, composite_inputs,
+                                                    composite_on, composite_reads, with_chains)
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget, check_top_k, dictionary_size
 from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, GateObjectiveConfig, RoutingConfig,
                                                           measure_rewards, train_gates_grpo)
@@ -76,7 +78,8 @@ class LoRAMoE(Strategy):
         """TRACE under the paper's gate and routing; a gate trained otherwise or routed otherwise says so
         (``TRACE (soft-target gate)``, ``TRACE (turn routing, soft top-2)``)."""
         objective = gate_objective(cfg)
-        words = ([] if objective == "ce_lb" else [f"{GATE_LABELS[objective]} gate"]) + [routing_of(cfg).label()]
+        words = ([] if objective == "ce_lb" else [f"{GATE_LABELS[objective]} gate"]) + [routing_of(cfg).label()] + (
+            [COMPOSITE_WORDS] if composite_on(cfg) else [])  # composite gate data: beyond the paper (issue 53)
         words = [w for w in words if w]
         return f"{self.label} ({', '.join(words)})" if words else self.label
 
@@ -97,8 +100,8 @@ class LoRAMoE(Strategy):
         objective = gate_objective(cfg)
         routing = () if routing_of(cfg).is_default else ("consolidation.gate.routing",)
         if objective == "ce_lb":  # the paper's gate: TRACE's keys as before the other objectives existed
-            return ("moe", *routing)
-        reads = ["moe", "consolidation.gate.objective", *routing]
+            return ("moe", *routing, *composite_reads(cfg))
+        reads = ["moe", "consolidation.gate.objective", *routing, *composite_reads(cfg)]
         if warm_objective(cfg) == "soft_target":
             reads += ["consolidation.gate.soft_target", *MEASURE_READS]
         if objective == "grpo":
@@ -107,7 +110,8 @@ class LoRAMoE(Strategy):
 
     def stage_inputs(self, cfg):
         # the other objectives roll the adapters out in the capability environments
-        return () if gate_objective(cfg) == "ce_lb" else ("synthesize",)
+        inputs = () if gate_objective(cfg) == "ce_lb" else ("synthesize",)
+        return tuple(dict.fromkeys(inputs + composite_inputs(cfg)))  # chained episodes live in the synthesize artifact
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         cfg, m = ctx.cfg, ctx.cfg.moe
@@ -126,6 +130,14 @@ class LoRAMoE(Strategy):
         examples = mix_uniformly(train_groups, seed=ctx.seed, per_group=per_group)
         held = [ex for cap in sorted(held_groups) for ex in held_groups[cap]]
         backbone, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
+        chain_note, chain_spent = None, None
+        if composite_on(cfg):  # beyond the paper (issue 53): each chain's episodes, a gate-training group of its own
+            chains, chain_spent, chain_note = chain_examples(ctx.inputs["synthesize"].path, tokenizer,
+                                                             m.gate_data == "successes")
+            chain_train, chain_held = split_heldout(chains, seed=ctx.seed)
+            examples = with_chains(examples, chain_train, per_group, ctx.seed)
+            held_groups.update(chain_held)
+            held = [ex for cap in sorted(held_groups) for ex in held_groups[cap]]
         model = build_lora_moe(backbone, {c: str(a.path / "adapter") for c, a in adapters.items()},
                                MoEConfig(top_k=m.top_k, renormalize=m.renormalize, impl=m.impl,
                                          train_top_k=m.train_top_k, include_base_slot=m.base_slot,
@@ -143,6 +155,8 @@ class LoRAMoE(Strategy):
         train_cfg = GateTrainConfig(**{f.name: m[f.name] for f in fields(GateTrainConfig)})
         extra: dict[str, Any] = {"objective": objective}
         spent = Budget()
+        if chain_spent is not None:  # every chained episode sampled counts in TRACE's budget
+            spent += chain_spent
         pkgs = {}
         if objective != "ce_lb":
             syn = ctx.inputs["synthesize"]
@@ -186,6 +200,8 @@ class LoRAMoE(Strategy):
         # rollouts are episodes of their own
         gate = Budget(optimizer_steps=len(log_rows)) + spent
         notes = () if objective == "ce_lb" else (gate_note(objective, warm, extra),)
+        if chain_note is not None:
+            notes += (chain_note,)
         if not routing.is_default:
             notes += (f"inference routing: {routing.label()} (consolidation.gate.routing)",)
         return Consolidated("moe", "moe", adapters_budget(adapters) + gate, notes=notes)
