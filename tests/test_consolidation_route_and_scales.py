@@ -188,3 +188,19 @@ def test_the_scale_is_chosen_on_validation_seeds_and_named_in_the_row(dirs, tmp_
     assert all(torch.equal(got[m].B, ref[m].B) for m in ref)  # the kept adapter is the chosen scale's merge
     write_consolidated(work, strategy, result, cfg)
     assert json.loads((work / "consolidated.json").read_text())["label"] == "Merge: linear (lam 1 on validation)"
+
+
+def test_the_sweep_table_pairs_every_row_against_base_the_best_single_and_trace():
+    from tracekit.report.sweep import paired_lines
+
+    def row(method, outcomes):
+        return {"method": method, "outcomes": {f"env/t{i}/0": o for i, o in enumerate(outcomes)}}
+
+    rows = {"Base": row("base", [0, 0, 1, 0, 0, 1]), "Single (best: cap0)": row("single_capability", [1, 0, 1, 0, 0, 1]),
+            "TRACE": row("trace", [1, 1, 1, 0, 0, 1]), "TRACE (turn routing)": row("trace", [1, 1, 1, 1, 0, 1])}
+    text, paired = paired_lines(rows)
+    assert set(paired) == {"vs_base", "vs_single", "vs_trace"}
+    assert set(paired["vs_single"]) == set(rows) - {"Single (best: cap0)"}
+    assert paired["vs_single"]["TRACE (turn routing)"]["diff"] == pytest.approx(2 / 6)
+    assert paired["vs_trace"]["TRACE (turn routing)"]["fixed"] == 1
+    assert "Paired vs Single (best: cap0)" in text and "Paired vs TRACE" in text and "Paired vs Base" in text

@@ -3,7 +3,7 @@
 Each job writes its evaluation (``results.json``) into its own run dir; when the multirun ends, the rows of
 every job are gathered into one table: rows shared by all jobs (Base, best Single: the same cached upstream)
 once, then each job's own rows (one per strategy), with the budgets beside the pass rates, and under it each
-row's paired difference against Base and against TRACE (the ``moe`` strategy's row) on the same episodes. Written
+row's paired difference against Base, the best Single and TRACE (the ``moe`` strategy's row) on the same episodes. Written
 to ``<sweep dir>/results.md`` and ``results.json``, printed, and logged to W&B as one table.
 """
 
@@ -50,10 +50,12 @@ def paired_against(rows: dict[str, Any], reference: str | None) -> dict[str, Any
 
 
 def paired_lines(rows: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The paired lines against Base and against TRACE, and the summaries (``{"vs_base": .., "vs_trace": ..}``)."""
+    """The paired lines against Base, the best Single and TRACE, and the summaries (``{"vs_base": .., "vs_single": ..,
+    "vs_trace": ..}``)."""
     trace = next((label for label, r in rows.items() if r.get("method") == "trace" and label == "TRACE"), None)
+    single = next((label for label, r in rows.items() if r.get("method") == "single_capability"), None)
     out, text = {}, ""
-    for key, ref in (("vs_base", base_label(rows)), ("vs_trace", trace)):
+    for key, ref in (("vs_base", base_label(rows)), ("vs_single", single), ("vs_trace", trace)):
         summaries = paired_against(rows, ref)
         if summaries:
             out[key] = summaries
