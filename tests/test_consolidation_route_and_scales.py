@@ -204,3 +204,33 @@ def test_the_sweep_table_pairs_every_row_against_base_the_best_single_and_trace(
     assert paired["vs_single"]["TRACE (turn routing)"]["diff"] == pytest.approx(2 / 6)
     assert paired["vs_trace"]["TRACE (turn routing)"]["fixed"] == 1
     assert "Paired vs Single (best: cap0)" in text and "Paired vs TRACE" in text and "Paired vs Base" in text
+
+
+def test_the_routing_sweep_runs_every_variant_and_each_point_validates(tmp_path):
+    """``-m experiment=micro sweep=routing``: one job per conf/composition variant, every point valid before job 0, and
+    each variant's row label apart from the others'."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from tracekit.cli import CONF_DIR, sweep_points, sweep_problems
+
+    variants = sorted(p.stem for p in (Path(CONF_DIR) / "composition").glob("*.yaml"))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="tracekit"):
+            hydra = GlobalHydra.instance().hydra
+            master = hydra.compose_config("config", overrides=["sweep=routing", "experiment=micro", "logger=none",
+                                                               f"paths.root_dir={tmp_path}"], run_mode=RunMode.MULTIRUN)
+            points = sweep_points(master)
+            assert sorted(p[0].removeprefix("+composition=") for p in points) == variants
+            assert sweep_problems(master) == []
+            labels = set()
+            for v in variants:
+                cfg = hydra.compose_config("config", overrides=["experiment=micro", f"+composition={v}"],
+                                           run_mode=RunMode.RUN)
+                labels.add(STRATEGIES[cfg.consolidation.method].row_label(cfg) if not cfg.consolidation.lam_search.scales
+                           else f"{cfg.consolidation.method} (scale searched)")
+            assert len(labels) == len(variants)
+    finally:
+        GlobalHydra.instance().clear()
