@@ -11,6 +11,10 @@
 # (TRACEKIT_CACHE=/root/tk-cache), so a run cut by the limit resumes from its checkpoints in the next call.
 # Whatever CMD writes under outputs/gain, outputs/planted and the run dirs' summaries comes back as
 # $OUT/results.tgz, with the log as $OUT/log.txt.
+# The snapshot is taken from .snap/tree.tgz where a call carries it (`git archive HEAD | gzip > .snap/tree.tgz`,
+# .snap ignored through .git/info/exclude): the committed tree, without uncommitted edits of a shared checkout.
+# Every inference server tracekit starts writes its process group id under TRACEKIT_SERVER_PIDS; after CMD ends
+# (or is killed at the limit) each group still listed is ended, so no server outlives the call holding GPU memory.
 set -u
 STASH=/root/tk-stash
 SITE=/tmp/site
@@ -52,13 +56,18 @@ EOF
 fi
 # one snapshot of the tree for every call (a later call's tree may differ; SYNC=1 takes the new one)
 SNAP=/root/tk
-if [ ! -d "$SNAP" ] || [ "${SYNC:-0}" = 1 ]; then
+if [ ! -d "$SNAP" ] || [ "${SYNC:-0}" = 1 ] || [ -f .snap/tree.tgz ]; then
   rm -rf "$SNAP" && mkdir -p "$SNAP"
-  tar cf - --exclude=./.carry --exclude=./.dcarry --exclude=./.carry_vllm --exclude=./.vllm_wheels --exclude=./outputs --exclude=./.git . | (cd "$SNAP" && tar xf -)
+  if [ -f .snap/tree.tgz ]; then
+    tar xzf .snap/tree.tgz -C "$SNAP"
+  else
+    tar cf - --exclude=./.carry --exclude=./.dcarry --exclude=./.carry_vllm --exclude=./.vllm_wheels --exclude=./.snap \
+      --exclude=./outputs --exclude=./.git . | (cd "$SNAP" && tar xf -)
+  fi
 fi
 cd "$SNAP"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TRACEKIT_ROOT=$PWD TRACEKIT_CACHE=/root/tk-cache \
-  TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
+  TOKENIZERS_PARALLELISM=false WANDB_MODE=offline TRACEKIT_SERVER_PIDS=/root/tk-server-pids
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 left=$(( budget - ($(date +%s) - start) ))
 echo "running (${left} s left): $*"
@@ -66,6 +75,11 @@ echo "running (${left} s left): $*"
 timeout -s INT -k 20 "$left" setsid "$@"
 rc=$?
 pkill -INT -f "tracekit.rl.launch" 2>/dev/null; sleep 2; pkill -KILL -f "tracekit.rl.launch" 2>/dev/null
+for f in "$TRACEKIT_SERVER_PIDS"/*.pgid; do  # servers whose starter could not end them (killed at the limit)
+  [ -f "$f" ] || continue
+  g=$(cat "$f"); echo "ending server process group $g ($f)"
+  kill -TERM -- "-$g" 2>/dev/null; sleep 5; kill -KILL -- "-$g" 2>/dev/null; rm -f "$f"
+done
 echo "rc=$rc after $(( $(date +%s) - start )) s"
 tar czf "$OUTDIR/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.jsonl' \
   $(ls -d outputs/gain outputs/planted 2>/dev/null) \

@@ -28,10 +28,15 @@ token ids here, completions parsed here, no grammar), so their episodes can be c
    The LoRA-MoE stays on tracekit's decoder (vLLM serves one adapter per request): its row is
    ``benchmarks/rollout_throughput.py --moe``.
 
-``--json`` is rewritten atomically after every section, so a cut run keeps what it measured.
+Sections, one per GPU command: ``TARGET:checks`` (1-3), ``TARGET:throughput`` (5), ``micro:grpo`` (4), each with
+its own server(s) and a fresh work folder under ``--work`` (a cut run's adapters never collide with the next run's).
+``--json`` is rewritten atomically after every step; ``--resume`` reads it and skips the sections it holds, so a
+call cut at its limit is followed by one that runs only what is missing. ``--stop-after S`` starts no section
+after S seconds. Every exit (an error, Ctrl-C / SIGINT, SIGTERM) ends the servers' process groups
+(:class:`~tracekit.rl.vllm_client.VLLMServer`), and a SIGKILL leaves their group ids in ``TRACEKIT_SERVER_PIDS``.
 
-    python benchmarks/vllm_server.py --json $OUT/vllm_h200.json                      # on the GPU machine
-    python benchmarks/vllm_server.py --server standin --targets micro --micro-limit 6 --repeats 1 --skip grpo
+    python benchmarks/vllm_server.py --json /root/vwork/vllm.json --resume --sections micro:checks micro:throughput
+    python benchmarks/vllm_server.py --server standin --sections micro:checks --micro-limit 6 --repeats 1
 """
 
 from __future__ import annotations
@@ -76,7 +81,9 @@ class Target:
             from tracekit.llm.backbones import export_smollm2
 
             self.model_dir = export_smollm2()
-            cfg = compose_config(["experiment=gain", "benchmark.limit=1"])
+            # benchmark.limit counts instances per environment: enough of each for `limit` tasks in all
+            envs = len(compose_config(["experiment=gain"]).benchmark.synthetic.envs)
+            cfg = compose_config(["experiment=gain", f"benchmark.limit={-(-limit // envs)}"])
             self.chat_format = "smollm2"
         else:
             raise SystemExit(f"unknown target {name!r} (micro | gain)")
@@ -86,6 +93,8 @@ class Target:
         self.tokenizer.chat_template = TEMPLATES[self.chat_format]
         self.suite = build_suite(cfg)
         self.tasks = self.suite.tasks()[:limit]
+        if len(self.tasks) < limit:
+            raise SystemExit(f"the {name} target has {len(self.tasks)} tasks, fewer than the {limit} asked for")
         self.max_new = max_new or cfg.agent.max_new_tokens
         self.max_steps = cfg.eval.max_steps
         self.max_model_len = int(json.loads((self.model_dir / "config.json").read_text())["max_position_embeddings"])
@@ -395,57 +404,70 @@ def grpo_two_iterations(args, target: Target, work: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def run_target(args, name: str, tmp: Path, result: dict[str, Any], save) -> None:
+SECTIONS = ("micro:checks", "micro:throughput", "micro:grpo", "gain:checks", "gain:throughput")
+
+
+def run_section(args, section: str, work: Path, result: dict[str, Any], save) -> None:
+    """One section of one target (its servers started and ended here), into ``result[target][what]``."""
     from peft import PeftModel
 
+    name, what = section.split(":")
     limit = {"micro": args.micro_limit, "gain": args.gain_limit}[name]
     target = Target(name, limit)
-    out = result.setdefault(name, {"tasks": len(target.tasks), "model_dir": str(target.model_dir)})
-    adapter = random_adapter(target.model("float32").cpu(), tmp / f"{name}-adapter")
-    engine, startup = vllm_engine(args, target, tmp / f"{name}-vllm")
-    out["server_start_s"], out["server_mode"] = startup, "eager" if engine.eager else "compiled (CUDA graphs)"
-    out["vllm_version"] = engine.server.check_version()
+    out = result.setdefault(name, {})
+    out.update(tasks=len(target.tasks), model_dir=str(target.model_dir))
     try:
-        base32 = target.model("float32")
-        hf_base = hf_engine(target, target.model(), args)
-        engine.use_base()
-        if "greedy" not in args.skip:
-            out["greedy_base"] = compare("vllm", target.episodes(engine.client), "tracekit", target.episodes(hf_base.client), base32)
-            print(f"  [{name}] greedy base: {out['greedy_base']['identical']}/{out['greedy_base']['episodes']} identical", flush=True)
-            save()
-        lora_model = PeftModel.from_pretrained(target.model(), str(adapter)).eval()
-        hf_lora = hf_engine(target, lora_model, args)
-        engine.sync(0, lambda p: __import__("shutil").copytree(adapter, p))
-        lora32 = PeftModel.from_pretrained(target.model("float32"), str(adapter)).eval()
-        if "adapter" not in args.skip:
-            runtime = target.episodes(engine.client)
-            out["greedy_lora_runtime_vs_tracekit"] = compare("vllm_runtime_lora", runtime, "tracekit_lora",
-                                                             target.episodes(hf_lora.client), lora32)
-            merged, _ = vllm_engine(args, target, tmp / f"{name}-merged", merged_folder(target, adapter, tmp / f"{name}-merged-model"),
-                                    eager=args.server == "vllm")
-            try:
-                merged.use_base()
-                out["greedy_lora_runtime_vs_merged"] = compare("vllm_runtime_lora", runtime, "vllm_merged",
-                                                               target.episodes(merged.client), lora32)
-            finally:
-                merged.close()
-            print(f"  [{name}] runtime adapter vs merged: {out['greedy_lora_runtime_vs_merged']['identical']}/"
-                  f"{len(runtime)} identical", flush=True)
-            save()
-        if "throughput" not in args.skip:
-            out["throughput"] = throughput(target, {"hf_base": lambda: hf_base.client, "vllm_base": lambda: served(engine, True),
-                                                    "hf_lora": lambda: hf_lora.client, "vllm_lora": lambda: served(engine, False)},
-                                           args.repeats)
-            save()
-        hf_base.close()
-        hf_lora.close()
+        if what == "grpo":
+            out["grpo"] = grpo_two_iterations(args, target, work / "grpo")
+            print(f"  [micro] GRPO through vLLM: adapters loaded {out['grpo']['adapter_loads']}", flush=True)
+            return
+        adapter = random_adapter(target.model("float32").cpu(), work / "adapter")
+        engine, startup = vllm_engine(args, target, work / "vllm", eager=what == "checks" and args.eager_checks)
+        part = out.setdefault(what, {})
+        part["server_start_s"], part["server_mode"] = startup, "eager" if engine.eager else "compiled (CUDA graphs)"
+        part["vllm_version"] = engine.server.check_version()
+        try:
+            hf_base = hf_engine(target, target.model(), args)
+            lora_model = PeftModel.from_pretrained(target.model(), str(adapter)).eval()
+            hf_lora = hf_engine(target, lora_model, args)
+            if what == "checks":
+                base32 = target.model("float32")
+                engine.use_base()
+                part["greedy_base"] = compare("vllm", target.episodes(engine.client), "tracekit", target.episodes(hf_base.client), base32)
+                print(f"  [{name}] greedy base: {part['greedy_base']['identical']}/{part['greedy_base']['episodes']} identical", flush=True)
+                save()
+                del base32
+                engine.sync(0, lambda p: __import__("shutil").copytree(adapter, p))
+                lora32 = PeftModel.from_pretrained(target.model("float32"), str(adapter)).eval()
+                runtime = target.episodes(engine.client)
+                part["greedy_lora_runtime_vs_tracekit"] = compare("vllm_runtime_lora", runtime, "tracekit_lora",
+                                                                  target.episodes(hf_lora.client), lora32)
+                print(f"  [{name}] runtime adapter vs tracekit: {part['greedy_lora_runtime_vs_tracekit']['identical']}/"
+                      f"{len(runtime)} identical", flush=True)
+                save()
+                engine.close()  # the merged model's server takes its place on the GPU
+                merged, part["merged_server_start_s"] = vllm_engine(
+                    args, target, work / "merged", merged_folder(target, adapter, work / "merged-model"), eager=True)
+                try:
+                    merged.use_base()
+                    part["greedy_lora_runtime_vs_merged"] = compare("vllm_runtime_lora", runtime, "vllm_merged",
+                                                                    target.episodes(merged.client), lora32)
+                finally:
+                    merged.close()
+                print(f"  [{name}] runtime adapter vs merged: {part['greedy_lora_runtime_vs_merged']['identical']}/"
+                      f"{len(runtime)} identical", flush=True)
+            else:
+                engine.sync(0, lambda p: __import__("shutil").copytree(adapter, p))
+                part.update(throughput(target, {"hf_base": lambda: hf_base.client, "vllm_base": lambda: served(engine, True),
+                                                "hf_lora": lambda: hf_lora.client, "vllm_lora": lambda: served(engine, False)},
+                                       args.repeats))
+            part["done"] = True
+            hf_base.close()
+            hf_lora.close()
+        finally:
+            engine.close()
     finally:
-        engine.close()
-    if name == "micro" and "grpo" not in args.skip:
-        out["grpo"] = grpo_two_iterations(args, target, tmp / "grpo")
-        print(f"  [micro] GRPO through vLLM: adapters loaded {out['grpo']['adapter_loads']}", flush=True)
-        save()
-    target.close()
+        target.close()
 
 
 def served(engine, base: bool):
@@ -457,38 +479,62 @@ def served(engine, base: bool):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", choices=("vllm", "standin"), default="vllm")
-    ap.add_argument("--targets", nargs="*", default=["micro", "gain"])
+    ap.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--micro-limit", type=int, default=270)
-    ap.add_argument("--gain-limit", type=int, default=60)
+    ap.add_argument("--gain-limit", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--skip", nargs="*", default=[], choices=("greedy", "adapter", "throughput", "grpo"))
+    ap.add_argument("--eager-checks", action="store_true", help="the checks' server without CUDA graphs (a faster start)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--resume", action="store_true", help="keep --json's sections and run only those it lacks")
+    ap.add_argument("--stop-after", type=float, default=None, help="start no section after this many seconds")
     ap.add_argument("--work", default=None, help="a folder for the servers' logs and the adapters (default: a temporary one)")
     args = ap.parse_args()
+    import signal
+
     import torch
 
-    result: dict[str, Any] = {"server": args.server, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                              "torch": torch.__version__, "args": vars(args)}
+    # SIGTERM as an exception, so that the servers' process groups are ended (finally blocks, atexit) as on Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    result: dict[str, Any] = {}
+    if args.resume and args.json and Path(args.json).is_file():
+        result = json.loads(Path(args.json).read_text())
+    result.update(server=args.server, device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                  torch=torch.__version__)
+    result.setdefault("runs", []).append({k: v for k, v in vars(args).items()})
 
     def save() -> None:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(Path(args.json), json.dumps(result, indent=1))
 
+    def done(section: str) -> bool:
+        name, what = section.split(":")
+        got = result.get(name, {}).get(what)
+        return isinstance(got, dict) and (got.get("done") or what == "grpo") and "error" not in got
+
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(args.work or tmp)
-        for name in args.targets:
+        for section in args.sections:
+            if done(section):
+                print(f"  [{section}] in {args.json} already: skipped", flush=True)
+                continue
+            if args.stop_after is not None and time.perf_counter() - t_start > args.stop_after:
+                print(f"  [{section}] not started: past --stop-after {args.stop_after:.0f} s", flush=True)
+                continue
+            # a fresh work folder for every run of a section: a cut run's files never meet the next run's
+            work = Path(args.work or tmp) / f"{section.replace(':', '-')}-{time.strftime('%H%M%S')}-{os.getpid()}"
+            name, what = section.split(":")
             t0 = time.perf_counter()
             try:
-                run_target(args, name, work, result, save)
-            except Exception as e:  # the next target still runs; the server logs say why (vllm_server.log under --work)
-                result.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"
-                print(f"  [{name}] FAILED: {type(e).__name__}: {e}", flush=True)
-            result[name]["section_s"] = round(time.perf_counter() - t0, 1)
+                run_section(args, section, work, result, save)
+            except Exception as e:  # the next section still runs; the server logs say why (vllm_server.log under --work)
+                result.setdefault(name, {}).setdefault(what, {})["error"] = f"{type(e).__name__}: {e}"
+                print(f"  [{section}] FAILED: {type(e).__name__}: {e}", flush=True)
+            result[name].setdefault(what, {})["section_s"] = round(time.perf_counter() - t0, 1)
             save()
-    print(json.dumps({k: v for k, v in result.items() if k != "args"}, indent=1)[:6000])
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)[:6000])
 
 
 if __name__ == "__main__":

@@ -428,6 +428,8 @@ class VLLMEngine:
             if due or not self.server.running:
                 self._restart("restart_every" if due else "stopped since the last iteration")
         path = self.work_dir / "adapters" / f"iter_{iteration:05d}"
+        if path.exists() and path != self._lora_path:  # left by a run cut in this work folder: not ours to keep
+            shutil.rmtree(path)
         save_adapter(path)
         name = f"policy-it{iteration}-{uuid.uuid4().hex[:6]}"
         self._load(name, path)
