@@ -256,6 +256,7 @@ def test_routing_settings_name_the_row_and_leave_tracess_key_alone(make_cfg):
     (["consolidation.gate.routing.granularity=phase"], "consolidation.gate.routing.granularity='phase' is invalid"),
     (["consolidation.gate.routing.soft_top_k=0"], "consolidation.gate.routing.soft_top_k=0 is invalid"),
     (["consolidation.gate.routing.temperature=0.5"], "consolidation.gate.routing.temperature=0.5 is invalid"),
+    (["consolidation.gate.routing.soft_top_k=50"], "consolidation.gate.routing.soft_top_k=50 is invalid: must be <= "),
 ])
 def test_bad_routing_settings_are_one_line(make_cfg, overrides, needle):
     from tracekit.validate import validate
@@ -263,3 +264,15 @@ def test_bad_routing_settings_are_one_line(make_cfg, overrides, needle):
     with pytest.raises(ConfigError) as e:
         validate(make_cfg("experiment=smoke", *overrides))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_top_k_above_the_selected_adapters_is_refused_when_compose_starts(make_cfg):
+    from types import SimpleNamespace
+
+    from tracekit.methods.consolidate import STRATEGIES
+
+    ctx = SimpleNamespace(cfg=make_cfg("experiment=smoke", "consolidation.gate.routing.soft_top_k=3"))
+    with pytest.raises(ConfigError) as e:  # two adapters: nothing is loaded before the refusal
+        STRATEGIES["moe"].consolidate(ctx, {"cap0": None, "cap1": None})
+    assert str(e.value) == ("consolidation.gate.routing.soft_top_k=3 is invalid: must be <= 2, the composed model's "
+                            "gate slots (the selected adapters, and the base slot)")

@@ -112,7 +112,10 @@ def dictionary_size(cfg: DictConfig) -> int | None:
     dictionary, a pinned file); None where discovery makes it."""
     a = cfg.analysis
     if a.discovery == "reference":
-        return len(target_of(cfg).reference_dictionary())
+        try:
+            return len(target_of(cfg).reference_dictionary())
+        except NotImplementedError:  # a target without one: refused by the analysis checks, not here
+            return None
     if a.discovery == "pinned":
         return len(read_pinned_dictionary(cfg))
     return None

@@ -90,8 +90,8 @@ class LoRAMoE(Strategy):
         r = routing_of(cfg)
         _check(r.soft_top_k is not None or r.temperature == 1.0, "consolidation.gate.routing.temperature",
                r.temperature, "1.0 without consolidation.gate.routing.soft_top_k (it tempers soft top-k mixing only)")
-        bound = dictionary_size(cfg)
-        if r.soft_top_k is not None and bound is not None:
+        bound = dictionary_size(cfg) if r.soft_top_k is not None else None
+        if bound is not None:
             slots = bound + (1 if cfg.moe.base_slot else 0)
             _check(r.soft_top_k <= slots, "consolidation.gate.routing.soft_top_k", r.soft_top_k,
                    f"<= {slots}, the gate slots of the most adapters this dictionary can select")
