@@ -389,6 +389,52 @@ def override_behind(e: BaseException, args: list[str]) -> str | None:
     return None
 
 
+def argument_problem(args: list[str]) -> str | None:
+    """Why Hydra's command line parser refuses ``args`` (a flag such as ``-m`` between overrides), as one line with
+    the command in the order it takes (flags first); None when it parses."""
+    from hydra._internal.utils import get_args_parser
+
+    class Refused(Exception):
+        pass
+
+    parser = get_args_parser()
+    parser.error = lambda message: (_ for _ in ()).throw(Refused(message))  # its own prints the usage and exits
+    try:
+        parser.parse_args(args)
+    except Refused as e:
+        overrides = [a for a in args if not a.startswith("-") and "=" in a]
+        flags = [a for a in args if a not in overrides]
+        return (f"{e}: Hydra's flags go before the overrides: python -m tracekit "
+                f"{' '.join([*flags, *overrides])}")
+    return None
+
+
+def override_problem(e: BaseException, args: list[str]) -> str | None:
+    """One line naming the command-line override Hydra's override grammar refuses (the exception names only the
+    character), saying that quoting the value works where it holds characters the grammar takes only quoted (a
+    non-ASCII name); None when every override parses alone."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for a in args:
+        if a.startswith("-") or "=" not in a:
+            continue
+        try:
+            parser.parse_override(a)
+        except HydraException as p:
+            why = " ".join(str(p).split("\n")[0].split())
+            key, _, value = a.partition("=")
+            hint = ""
+            if "${" in value and value.count("{") != value.count("}"):
+                hint = ": an interpolation ${...} opened and never closed"
+            elif not value.isascii() or any(c in value for c in " ;&|<>()"):
+                hint = (f": the grammar takes such characters only in a quoted value: "
+                        f"'{key}=\"{value}\"' (quoted for the shell too)")
+            return f"the override {a!r} cannot be parsed ({why}){hint}"
+    return None
+
+
 _OWN_FULL_ERROR = False  # main set HYDRA_FULL_ERROR: Hydra raises what fails in its phase, main says it in one line
 
 
@@ -399,7 +445,7 @@ def main() -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-    if why := root_problem(sys.argv[1:]):
+    if why := argument_problem(sys.argv[1:]) or root_problem(sys.argv[1:]):
         print(f"tracekit: error: {why}", file=sys.stderr)
         sys.exit(2)
     catch_signals()
@@ -418,7 +464,8 @@ def main() -> None:
         sys.exit(2)
     except (HydraException, OmegaConfBaseException) as e:  # an override Hydra refused, an unknown config group
         cause = f" {e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
-        print(f"tracekit: config error: {' '.join((str(e) + cause).split())}", file=sys.stderr)
+        why = override_problem(e, sys.argv[1:]) or " ".join((str(e) + cause).split())
+        print(f"tracekit: config error: {why}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # the run dir (or its files) could not be written after all
         print(f"tracekit: error: cannot write the run dir: {describe(e)}; point TRACEKIT_ROOT at a writable "

@@ -203,8 +203,11 @@ def train_stage(ctx: StageContext) -> None:
         trained = {cap: train_adapter(ctx, cap, syn.path / cap) for cap in distinct}
     arts = [trained[first_of[stable_hash(package_identity(syn.path / cap))]] for cap in ready]
     adapters = {cap: {**art.ref(), "content_key": art.content_key} for cap, art in zip(ready, arts)}
-    if not adapters:
-        raise RuntimeError(f"train: no ready synthetic environment in {syn.path / MANIFEST} (every capability skipped)")
+    if not adapters:  # each capability's reason: the official gate's refusal carries the rates it measured
+        why = "; ".join(f"{e['capability']}: {e.get('reason', e['status'])}"
+                        for e in read_json(syn.path / MANIFEST)["environments"])
+        raise RuntimeError(f"train: no ready synthetic environment in {syn.path / MANIFEST}, every capability skipped: "
+                           f"{why}")
     atomic_write_json(ctx.work_dir / "adapters.json", adapters)
 
 

@@ -24,6 +24,7 @@ from tracekit.envs.pool import valid_setting as valid_env_workers
 from tracekit.llm.backbones import BACKBONES
 from tracekit.llm.base import EndpointError
 from tracekit.llm.openai import OpenAIChatClient
+from tracekit.llm.world_tokenizer import MIN_VOCAB as MIN_WORLD_VOCAB
 from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
 from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
@@ -139,8 +140,15 @@ def _check_world_backbone(cfg: DictConfig, planted: PlantedSpec) -> None:
         raise ConfigError(f"backbone={cfg.backbone.name} was warm-started for the {planted.family} world "
                           f"(backbone.planted.family); benchmark={cfg.benchmark.name} is a {family} target: use "
                           f"benchmark=micro, or another backbone")
+    # the backbone's vocabulary is the world tokenizer's ceiling (backbone_dict merges backbone.arch over the spec's)
+    vocab = OmegaConf.select(cfg, "backbone.arch.vocab_size", default=None) or spec.arch["vocab_size"]
+    _check(isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= MIN_WORLD_VOCAB,
+           "backbone.arch.vocab_size", vocab, f"an integer >= {MIN_WORLD_VOCAB} (backbone={cfg.backbone.name} trains "
+           f"its {planted.family} world tokenizer: the 256 bytes and {MIN_WORLD_VOCAB - 256} special tokens, then "
+           "merges)")
+    target_of(cfg).validate(cfg)  # its own checks (a difficulty level its environments have) before its suite is built
     # the world's episodes must fit the context the agent is given (eval.context_budget; GRPO's max_prompt_tokens)
-    tokenizer = world_tokenizer(planted.family, spec.chat_format, int(spec.arch["vocab_size"]))
+    tokenizer = world_tokenizer(planted.family, spec.chat_format, vocab)
     suite = target_of(cfg).build_suite(cfg, None, lambda *_: None)
     try:
         tokens, task = longest_gold_episode(suite, tokenizer)

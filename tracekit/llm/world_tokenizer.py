@@ -26,6 +26,7 @@ from typing import Any
 # one, gets a new cache key (splitting an id's letter prefix off its digits was tried and dropped: VARIANTS.md v9)
 TOKENIZER_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 (bos 1, eos 2, pad 2 as SmolLM2's)
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet and the special tokens, before any merge
 
 
 def train_world_tokenizer(texts: Iterable[str], vocab_size: int, chat_template: str,
@@ -39,7 +40,7 @@ def train_world_tokenizer(texts: Iterable[str], vocab_size: int, chat_template: 
     texts = list(texts)
     if not texts:
         raise ValueError("train_world_tokenizer: no text to train on")
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
+    if vocab_size < MIN_VOCAB:
         raise ValueError(f"train_world_tokenizer: vocab_size {vocab_size} is below the 256 bytes + specials")
     tok = Tokenizer(models.BPE())
     words = sorted({a for a in atoms if a}, key=lambda a: (-len(a), a))

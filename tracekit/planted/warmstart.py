@@ -33,7 +33,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tracekit.agents import GoldAgent
 from tracekit.artifacts import atomic_write_json, read_json, write_jsonl
@@ -44,6 +44,7 @@ from tracekit.llm.templates import TEMPLATES
 from tracekit.llm.tools import render_prompt, tool_call_id
 from tracekit.llm.world_tokenizer import TOKENIZER_VERSION, byte_tokenizer, train_world_tokenizer
 from tracekit.methods.adp_data import assistant_turns
+from tracekit.ranges import check_value
 from tracekit.rl.settings import LoraSettings
 from tracekit.rl.sft import SFTSettings, train_sft
 from tracekit.rl.tokens import build_rows
@@ -101,7 +102,18 @@ class PlantedSpec:
     family: str = FAMILY
     sft: WarmStartSFT = field(default_factory=WarmStartSFT)
 
+    # integers, each refused naming backbone.planted.<field> before any work (validate parses the spec); demos_strong's
+    # range is checked with demos_weak's below
+    RANGES: ClassVar[dict[str, str]] = {"difficulty": ">= 0", "seed": ">= 0", "init_seed": ">= 0"}
+
     def __post_init__(self) -> None:
+        for name in ("demos_strong", *self.RANGES):
+            value = getattr(self, name)
+            if (not isinstance(value, int) or isinstance(value, bool)) and not (name == "init_seed" and value is None):
+                raise ValueError(f"backbone.planted.{name}={value!r} is invalid: must be an integer "
+                                 f"{self.RANGES.get(name, '>= 1')}")
+            if name in self.RANGES:
+                check_value(f"backbone.planted.{name}", value, self.RANGES[name])
         if isinstance(self.sft, dict):
             self.sft = WarmStartSFT(**self.sft)
         self.strong, self.weak = list(self.strong), list(self.weak)
@@ -120,6 +132,14 @@ class PlantedSpec:
             raise ValueError(f"backbone.planted: {both} both strong and weak")
         if len(set(self.strong)) != len(self.strong) or len(set(self.weak)) != len(self.weak):
             raise ValueError("backbone.planted: a capability is listed twice")
+        counts = self.demos_weak.values() if isinstance(self.demos_weak, dict) else [self.demos_weak]
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in counts):
+            raise ValueError(f"backbone.planted.demos_weak={self.demos_weak!r} is invalid: must be an integer >= 0, "
+                             "or {capability: integer} for each weak capability")
+        fractions = self.weak_correct.values() if isinstance(self.weak_correct, dict) else [self.weak_correct]
+        if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in fractions):
+            raise ValueError(f"backbone.planted.weak_correct={self.weak_correct!r} is invalid: must be a fraction in "
+                             "[0, 1], or {capability: fraction} for each weak capability")
         if isinstance(self.demos_weak, dict):
             self.demos_weak = {str(k): int(v) for k, v in self.demos_weak.items()}
             if set(self.demos_weak) != set(self.weak):

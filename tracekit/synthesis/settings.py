@@ -5,6 +5,7 @@ environment is held to, nested)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -58,7 +59,30 @@ class SynthesisConfig:
         if self.target_low > self.target_high:
             raise ValueError(f"synthesis.target_low={self.target_low!r} is invalid: must be <= "
                              f"synthesis.target_high={self.target_high}")
+        if self.acceptance == "official":
+            self.check_reachable()
         self.check_chains()
+
+    def check_reachable(self) -> None:
+        """The official gate's bounds that no environment can meet together, refused before any work (the gate
+        would refuse every environment after sampling G rollouts of each). Rewards lie in [0, 1], each seed's group
+        holds G of them: a mean m has a reward std of at most sqrt(m (1 - m)); at most a max_all_success share of
+        groups succeed throughout, every other has a failure, so the success rate is at most
+        1 - (1 - max_all_success) / G."""
+        mid = min(max(0.5, self.target_low), self.target_high)  # the band's mean reward closest to 1/2
+        widest = math.sqrt(mid * (1 - mid))
+        if self.min_reward_std > widest:
+            raise ValueError(f"synthesis.min_reward_std={self.min_reward_std!r} is invalid: must be <= {widest:.3f} "
+                             f"with synthesis.acceptance=official and a band [{self.target_low}, {self.target_high}] "
+                             f"(rewards in [0, 1] with a mean in the band have a std of at most {widest:.3f}): no "
+                             "environment can pass the gate")
+        most = 1 - (1 - self.max_all_success) / self.acceptance_group_size
+        if self.target_low > most:
+            raise ValueError(f"synthesis.target_low={self.target_low!r} is invalid: must be <= {most:.3f} with "
+                             f"synthesis.acceptance=official, synthesis.max_all_success={self.max_all_success} and "
+                             f"G=synthesis.acceptance_group_size={self.acceptance_group_size} (groups that all succeed "
+                             f"at most that share, each other one with a failure: a success rate of at most "
+                             f"{most:.3f}): no environment can pass the gate")
 
     def check_chains(self) -> None:
         """Each chain two distinct capabilities; with the built-in library, two whose tools do not conflict (one
