@@ -234,3 +234,24 @@ def test_the_routing_sweep_runs_every_variant_and_each_point_validates(tmp_path)
             assert len(labels) == len(variants)
     finally:
         GlobalHydra.instance().clear()
+
+
+def test_a_reproduced_consolidation_table_pairs_each_row_against_base_single_and_trace(tmp_path):
+    from tracekit.reproduce.render import RowResult
+    from tracekit.reproduce.runner import paired_rows
+    from tracekit.reproduce.spec import Row
+
+    def result(label, method, outcomes, block="Qwen3-30B-A3B"):
+        row = Row(index=0, block=0, block_label=block, backbone=None, label=label, method=method, overrides=(), paper={})
+        return RowResult(row=row, status="ok", extra={"outcomes": {f"env/t{i}/0": o for i, o in enumerate(outcomes)}})
+
+    results = [result("Base", "base", [0, 0, 1, 0]), result("Single Capability GRPO", "single_capability", [1, 0, 1, 0]),
+               result("TRACE", "trace", [1, 1, 1, 0]), result("TRACE (turn routing)", "trace", [1, 1, 1, 1]),
+               result("Base", "base", [1, 1, 1, 1], block="other backbone")]
+    text, paired = paired_rows(results)
+    rows = paired["Qwen3-30B-A3B"]
+    assert set(rows) == {"vs_base", "vs_single", "vs_trace"}
+    assert rows["vs_single"]["TRACE (turn routing)"]["diff"] == pytest.approx(0.5)
+    assert rows["vs_trace"]["TRACE (turn routing)"]["fixed"] == 1
+    assert "other backbone" not in paired  # a block without rows to pair against keeps to itself
+    assert "Paired vs Single Capability GRPO" in text

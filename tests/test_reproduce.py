@@ -81,7 +81,7 @@ def test_scale_embedded_maps_target_and_backbone_and_shares_identical_rows():
 
 def test_a_users_experiment_preset_brings_its_own_world():
     p = plan(load_spec(find_spec("table4")), ["experiment=micro"])  # not the spec's tau2 on Qwen3-30B-A3B
-    assert len(p.runnable) == 10
+    assert len(p.runnable) == 16  # every row of the spec, issue 53's included
     for row in p.runnable:
         assert not any(o.startswith(("benchmark=", "backbone=")) for o in row.overrides)
         assert row.cfg.backbone.name == "micro" and row.cfg.benchmark.kind == "micro"

@@ -30,6 +30,7 @@ from tracekit.cli import task
 from tracekit.schema import register_configs
 from tracekit.llm.backbones import build_config
 from tracekit.moe.counts import count_params, gate_param_count
+from tracekit.report.sweep import paired_lines
 from tracekit.report.table5 import lora_param_count, meta_causal_lm
 from tracekit.reproduce import render
 from tracekit.reproduce.paper import cuts_dict, setting_line, setting_markdown
@@ -200,6 +201,8 @@ def _collect_results(spec: Spec, res: RowResult, run_dir: Path) -> None:
     label, r = mine[0]
     res.values = {c: render.measure(r, spec.column(c)) for c in spec.columns}
     res.budget = r.get("budget")
+    if "outcomes" in r:  # paired against Base, the best Single and TRACE in the table's summary
+        res.extra["outcomes"] = r["outcomes"]
     if label != res.row.label:
         res.notes.append(f"ours: {label}")
     res.notes += list(r.get("notes", ()))
@@ -285,14 +288,36 @@ def write_table(spec: Spec, results: list[RowResult], table_dir: Path, summary_h
                       else "% Figure 3 is a figure: see table.md and the PNGs\n")
     atomic_write_json(table_dir / "results.json", [_row_json(spec, r) for r in results], sort_keys=False)
     notes = [f"- {r.row.label}: {n}" for r in results for n in [*([r.row.note] if r.row.note else []), *r.notes]]
+    paired_text, paired = paired_rows(results)
+    if paired:
+        atomic_write_json(table_dir / "paired.json", paired, sort_keys=False)
     atomic_write_text(table_dir / "summary.md", "\n".join([
         summary_head, "", "## Table", "", md, *(["## Notes", "", *notes, ""] if notes else []),
+        *(["## Paired", "", paired_text.strip(), ""] if paired_text else []),
         "## Rows", "", "| row | status | seconds | cache | run dir |", "|---|---|---|---|---|",
         *[f"| {r.row.label} | {r.status}{': ' + r.reason if r.reason else ''} | "
           f"{'–' if r.seconds is None else f'{r.seconds:.1f}'} | {r.cache or '–'} | {r.run_dir or '–'} |"
           for r in results], "",
         "Files: " + ", ".join(f"`{n}`" for n in TABLE_FILES) + "."]) + "\n")
     return images
+
+
+def paired_rows(results: list[RowResult]) -> tuple[str, dict[str, Any]]:
+    """Each block's rows paired on the same episodes against its Base, best Single and TRACE rows (issue 53:
+    :func:`tracekit.report.sweep.paired_lines`), for the rows that kept their outcomes; blocks apart (another backbone's
+    episodes are not the same episodes)."""
+    blocks: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if "outcomes" in r.extra:
+            blocks.setdefault(r.row.block_label, {})[r.row.label] = {"method": r.row.method,
+                                                                      "outcomes": r.extra["outcomes"]}
+    text, out = "", {}
+    for block, rows in blocks.items():
+        lines, summaries = paired_lines(rows)
+        if summaries:
+            out[block or "rows"] = summaries
+            text += (f"\n### {block}\n" if block and len(blocks) > 1 else "") + lines
+    return text, out
 
 
 def _row_json(spec: Spec, r: RowResult) -> dict[str, Any]:

@@ -36,12 +36,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from tracekit.artifacts import Artifact, atomic_write_json, iter_jsonl, read_json
-from tracekit.config import ConfigError
+from tracekit.config import TRAJECTORY_SETS, ConfigError
 from tracekit.llm.backbones import load_backbone
 from tracekit.llm.hf import padding_id
 from tracekit.llm.tools import encode_prompt
@@ -50,6 +50,7 @@ from tracekit.merging.merges import merge_cat
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.moe.model import MoEConfig, build_lora_moe
 from tracekit.moe.task_router import TaskRouter, example_text, save_task_router, task_text
+from tracekit.ranges import Choice
 from tracekit.types import Message
 from tracekit.wiring import backbone_dict, device, dtype
 
@@ -62,11 +63,13 @@ class RouteConfig:
 
     top_p: float = 0.9  # nucleus over the chosen capabilities' probabilities (not stated in the official text)
     retrieve_k: int = 4  # corpus trajectories retrieved per episode; their capabilities are the candidates
-    trajectories_per_capability: int = 32  # successful GRPO rollouts of each capability in the corpus
+    trajectories_per_capability: int = 32  # GRPO rollouts of each capability in the corpus
+    corpus: str = "successes"  # which GRPO rollouts: successes (the official: correct applications) | all
     example_chars: int = 600  # characters of a retrieved example shown to the classifier
 
     RANGES: ClassVar[dict[str, str]] = {"top_p": "(0, 1]", "retrieve_k": ">= 1", "trajectories_per_capability": ">= 1",
                                         "example_chars": ">= 1"}
+    CHOICES: ClassVar[dict[str, Choice]] = {"corpus": TRAJECTORY_SETS}
 
 
 class Route(Strategy):
@@ -85,7 +88,8 @@ class Route(Strategy):
         if blank:  # before any work, one line (a dictionary without descriptions is refused at validation already)
             raise ConfigError(f"consolidation=route is invalid: the selected capabilities {', '.join(blank)} have no "
                               "description (the task router classifies over the capabilities' descriptions)")
-        corpus = _corpus(adapters, int(r.trajectories_per_capability), int(r.example_chars), ctx.seed)
+        corpus = _corpus(adapters, int(r.trajectories_per_capability), int(r.example_chars), ctx.seed,
+                         r.corpus == "successes")
         backbone, tokenizer = load_backbone(backbone_dict(cfg), device(cfg), dtype(cfg))
         model = build_lora_moe(backbone, {c: str(a.path / "adapter") for c, a in adapters.items()},
                                MoEConfig(include_base_slot=True, granularity="trajectory", decider="task", seed=ctx.seed),
@@ -111,14 +115,17 @@ class Route(Strategy):
         return Consolidated("moe", "moe", adapters_budget(adapters), notes=notes)
 
 
-def _corpus(adapters: dict[str, Artifact], per_capability: int, chars: int, seed: int) -> list[dict[str, str]]:
-    """Up to ``per_capability`` successful GRPO rollouts of each capability (seeded sample), as router entries."""
+def _corpus(adapters: dict[str, Artifact], per_capability: int, chars: int, seed: int, successes_only: bool
+            ) -> list[dict[str, str]]:
+    """Up to ``per_capability`` GRPO rollouts of each capability (successful ones only by default; seeded sample),
+    as router entries."""
     out = []
     for cap, art in adapters.items():
         rows = [row for f in sorted((art.path / "rollouts").glob("iter_*.jsonl")) for row in iter_jsonl(f)
-                if row.get("success")]
+                if row.get("success") or not successes_only]
         if not rows:
-            raise RuntimeError(f"compose: no successful GRPO rollout of {cap} to retrieve (the task router's corpus)")
+            raise RuntimeError(f"compose: no {'successful ' if successes_only else ''}GRPO rollout of {cap} to retrieve "
+                               "(consolidation.route.corpus=all takes every rollout into the task router's corpus)")
         for row in random.Random(f"{seed}-{cap}").sample(rows, min(per_capability, len(rows))):
             messages = [Message.model_validate(m) for m in row["messages"]]
             out.append({"capability": cap, "task": task_text(messages), "example": example_text(messages, chars)})
