@@ -37,7 +37,10 @@ from tracekit.config import USER_ERRORS, ConfigError, interpolation_message
 from tracekit.schema import register_configs
 from tracekit.llm.backbones import cache_root
 from tracekit.pipeline import RunRecord
-from tracekit.report.logging import RunLogger, log_traceback_to_file
+from tracekit.planted.shipped import install_shipped
+from tracekit.report.ladder import LADDER_PNG, RESULTS_MD
+from tracekit.report.preset import built_on_line, built_on_markdown, preset_cuts
+from tracekit.report.logging import RunLogger, check_resumed_config, log_traceback_to_file
 from tracekit.reproduce.paper import cuts, cuts_dict, setting_line, setting_markdown
 from tracekit.stages import build_pipeline
 from tracekit.validate import needed_endpoints, probe_endpoints, validate
@@ -99,7 +102,8 @@ def write_summary(run_dir: Path, cfg: DictConfig, record, failure: BaseException
               "next run" if isinstance(failure, KeyboardInterrupt)
               else f"failed ({describe(failure)})" if failure else "ok")
     lines = [f"# tracekit run `{cfg.name}`", "", f"Status: {status}", "", f"Run dir: `{run_dir}`", "",
-             "## Setting relative to the paper", "", setting_markdown(cfg), "", "## Stages", "",
+             "## Setting relative to the paper", "", setting_markdown(cfg), "",
+             *([md, ""] if (md := built_on_markdown(cfg)) else []), "## Stages", "",
              "| stage | key | cache | seconds |", "|---|---|---|---|"]
     for a in record.artifacts.values():
         lines.append(f"| {a['stage']} | `{a['key']}` | {'hit' if a['cache_hit'] else 'computed'} | {a['seconds']} |")
@@ -120,9 +124,20 @@ def _also(e: BaseException) -> str:
     return "".join(f" ({' '.join(w.split())})" for w in getattr(e, "tracekit_also", []))
 
 
+def install_warm_start(cfg: DictConfig) -> None:
+    """``warm_start=<name>``: the shipped warm start, verified (validate did), copied into the planted cache folder
+    where every stage loads it from (:mod:`tracekit.planted.shipped`)."""
+    if cfg.get("warm_start") is None:
+        return
+    path, copied = install_shipped(cfg.warm_start, cfg.backbone)
+    log.info("warm start: %s %s", "installed the shipped copy in" if copied else "shipped copy already in", path)
+
+
 def run(cfg: DictConfig) -> None:
-    log.info(setting_line(cfg))  # the first line: the preset, and every value that differs from the paper's
+    # the first line: the preset, every value that differs from the paper's, and from the preset it is built on
+    log.info(setting_line(cfg) + built_on_line(cfg))
     run_dir = Path(cfg.paths.run_dir)
+    check_resumed_config(cfg, run_dir)  # a run dir given again (--resume): the same config, or one line
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     record = RunRecord(run_dir)
@@ -139,6 +154,7 @@ def run(cfg: DictConfig) -> None:
                               f"{', '.join(to_compute)}: point TRACEKIT_CACHE at a writable directory with free space "
                               "(a run that is all cache hits needs no write)")
         probe_endpoints(cfg, [role for stage in to_compute for role in needed_endpoints(cfg, stage)])
+        install_warm_start(cfg)
         pipeline.run(cfg, list(cfg.stages), cache, record)
     except BaseException as e:
         failure = e
@@ -157,9 +173,12 @@ def run(cfg: DictConfig) -> None:
                 if failure is None:
                     raise
                 also(failure, f"the run logger could not finish either: {describe(e)}")
-    n = len(cuts(cfg))
+    n, m = len(cuts(cfg)), len(preset_cuts(cfg))
+    also_cut = f" and {m} from experiment={cfg.built_on.preset}'s" if m else ""
     log.info("summary: %s (%s)", run_dir / "summary.md",
-             f"CUT: {n} values differ from the paper's, named in it" if n else "the paper's setting, no cut")
+             f"CUT: {n} values differ from the paper's{also_cut}, named in it" if n or m else "the paper's setting, no cut")
+    if (run_dir / LADDER_PNG).is_file():  # the run evaluated: its last line names the table and the chart
+        log.info("table: %s | chart: %s", run_dir / RESULTS_MD, run_dir / LADDER_PNG)
 
 
 def discard_rejected_run(run_dir: Path, root_dir: Path) -> None:
@@ -246,6 +265,7 @@ def app(cfg: DictConfig) -> None:
     if _OWN_FULL_ERROR:  # set for Hydra's own phase only (main): not for what the run starts
         os.environ.pop("HYDRA_FULL_ERROR", None)
     try:
+        assign_job_devices(cfg, HydraConfig.get())  # a parallel sweep job: its own GPUs, before CUDA starts
         validate(cfg)
     except ConfigError as e:
         discard_rejected_run(Path(cfg.paths.run_dir), Path(cfg.paths.root_dir))
@@ -260,6 +280,64 @@ def app(cfg: DictConfig) -> None:
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+# Sweeps on a multi-GPU host: a joblib job's GPUs. Each job needs launcher.nproc GPUs (1 unless a training run spans
+# several); the host's GPUs (CUDA_VISIBLE_DEVICES as the sweep was started with, else every GPU nvidia-smi lists) are
+# cut into slots of that many, and a worker process takes the slot of the first job it runs (job number modulo the
+# slots) and keeps it: joblib reuses workers, and a process's CUDA devices are fixed once CUDA starts in it, so the
+# n_jobs workers running at once hold distinct slots while n_jobs <= slots. A SLURM (submitit) job gets its GPUs from
+# the launcher (hydra.launcher.gpus_per_task or gpus_per_node): SLURM sets CUDA_VISIBLE_DEVICES in the job itself.
+HOST_DEVICES_ENV = "TRACEKIT_HOST_DEVICES"  # the sweep's host GPUs, handed from the parent to its job processes
+_WORKER_DEVICES: list[str] | None = None
+
+
+def host_devices() -> list[str]:
+    """The GPUs a sweep may hand out: CUDA_VISIBLE_DEVICES as set when the sweep started, else nvidia-smi's list."""
+    for var in (HOST_DEVICES_ENV, "CUDA_VISIBLE_DEVICES"):
+        if (value := os.environ.get(var)) is not None:
+            return [d for d in value.split(",") if d.strip()]
+    try:
+        import subprocess
+
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in listed.splitlines() if line.startswith("GPU "))]
+
+
+def job_devices(job_num: int, per_job: int, host: list[str]) -> list[str]:
+    """The devices of sweep job ``job_num`` (its worker's slot): slot ``job_num % (len(host) // per_job)``."""
+    if per_job > len(host):
+        raise ConfigError(f"launcher.nproc={per_job}: each sweep job needs {per_job} GPUs and this host has "
+                          f"{len(host)} ({', '.join(host)}): lower launcher.nproc, or run the sweep on a larger host")
+    slot = job_num % (len(host) // per_job)
+    return host[slot * per_job:(slot + 1) * per_job]
+
+
+def parallel_launcher(hydra_cfg: Any) -> str | None:
+    """'joblib' or 'submitit' when the multirun's jobs run in parallel through that launcher, else None."""
+    target = str(OmegaConf.select(hydra_cfg, "launcher._target_") or "")
+    return "joblib" if "joblib" in target.lower() else "submitit" if "submitit" in target.lower() else None
+
+
+def assign_job_devices(cfg: DictConfig, hydra_cfg: Any, env: dict[str, str] | None = None,
+                       host: list[str] | None = None) -> list[str] | None:
+    """Set this joblib sweep job's CUDA_VISIBLE_DEVICES in ``env`` (os.environ) from its job number (once per
+    worker process: later jobs of the worker keep its devices); the devices, or None when nothing is assigned (no
+    parallel joblib multirun, or a CPU host)."""
+    global _WORKER_DEVICES
+    env = os.environ if env is None else env
+    if str(OmegaConf.select(hydra_cfg, "mode")).split(".")[-1] != "MULTIRUN" or parallel_launcher(hydra_cfg) != "joblib":
+        return None
+    if _WORKER_DEVICES is None:
+        host = host_devices() if host is None else host
+        if not host:
+            return None
+        per_job = max(1, int(cfg.launcher.nproc))
+        _WORKER_DEVICES = job_devices(int(hydra_cfg.job.num), per_job, host)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_WORKER_DEVICES)
+    log.info("sweep job #%s: CUDA_VISIBLE_DEVICES=%s", hydra_cfg.job.num, ",".join(_WORKER_DEVICES))
+    return _WORKER_DEVICES
 
 
 def sweep_points(config: DictConfig) -> list[tuple[str, list[str]]]:
@@ -311,6 +389,13 @@ class ValidateSweep(Callback):
     in one line naming it and its value (exit 2), nothing launched (registered in ``conf/config.yaml``)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if parallel_launcher(config.hydra) == "joblib" and (host := host_devices()):
+            try:  # a job needing more GPUs than the host has: refused before any job starts
+                job_devices(0, max(1, int(config.launcher.nproc)), host)
+            except ConfigError as e:
+                print(f"tracekit: config error: {e}", file=sys.stderr)
+                sys.exit(2)
+            os.environ[HOST_DEVICES_ENV] = ",".join(host)  # the jobs cut the sweep's devices, not their own
         if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
             log.info("sweep points are validated as each job starts (sweeper %s)",
                      OmegaConf.select(config, "hydra.sweeper._target_"))
@@ -409,6 +494,29 @@ def argument_problem(args: list[str]) -> str | None:
     return None
 
 
+def exposed_root_problem(args: list[str]) -> str | None:
+    """Why the config refuses a run whose root lies inside a directory the coding jail binds into every command
+    (the coding target refuses such a root: an agent could read the cache there), found by composing and validating
+    it before Hydra makes the run dir in it; None for any other root or target (and for a multirun, whose jobs'
+    configs the sweep callback validates)."""
+    from tracekit.coding.sandbox import system_binds
+
+    found = run_root(args)
+    if found is None or {"-m", "--multirun"} & set(args):
+        return None
+    root = os.path.realpath(found[0])
+    if not any(root == b or root.startswith(b.rstrip("/") + "/") for b in system_binds()):
+        return None
+    own_root = any(a.lstrip("+").startswith("paths.root_dir=") for a in args)
+    try:
+        compose_config([*args, *([] if own_root else [f"paths.root_dir={found[0]}"])])
+    except ConfigError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - an override Hydra refuses: its own one line comes from Hydra's phase
+        return None
+    return None
+
+
 def override_problem(e: BaseException, args: list[str]) -> str | None:
     """One line naming the command-line override Hydra's override grammar refuses (the exception names only the
     character), saying that quoting the value works where it holds characters the grammar takes only quoted (a
@@ -435,6 +543,34 @@ def override_problem(e: BaseException, args: list[str]) -> str | None:
     return None
 
 
+def resume_args(args: list[str]) -> list[str]:
+    """``--resume <dir>``: the run (or multirun) directory of an earlier run, run again in place: its stages resume
+    from the cache, its W&B run continues (the id derives from the directory: report.logging.wandb_run_id), and a
+    config that differs from the one it was started with is refused (report.logging.check_resumed_config). Becomes
+    ``hydra.run.dir=<dir>``, or ``hydra.sweep.dir=<dir>`` for a multirun's directory (jobs 0, 1, ... inside)."""
+    if not any(a == "--resume" or a.startswith("--resume=") for a in args):
+        return args
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--resume" or a.startswith("--resume="):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if "=" in a else 2
+            path = Path(value).expanduser().resolve() if value else None
+            if path is None or not path.is_dir():
+                raise ValueError(f"--resume {value or '<missing>'}: not a directory (give the run dir of an earlier "
+                                 "run: outputs/runs/<time>_<name>, or a multirun's outputs/multirun/<time>_<name>)")
+            jobs = [p for p in path.iterdir() if p.name.isdigit() and (p / "config.yaml").is_file()]
+            if not jobs and not (path / "config.yaml").is_file():
+                raise ValueError(f"--resume {path}: no earlier run there (no config.yaml, nor multirun jobs 0, 1, ...)")
+            out += [f"hydra.sweep.dir={path}", "hydra.mode=MULTIRUN"] if jobs else [f"hydra.run.dir={path}",
+                                                                                  "hydra.mode=RUN"]
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 _OWN_FULL_ERROR = False  # main set HYDRA_FULL_ERROR: Hydra raises what fails in its phase, main says it in one line
 
 
@@ -445,8 +581,16 @@ def main() -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+    try:
+        sys.argv[1:] = resume_args(sys.argv[1:])
+    except ValueError as e:
+        print(f"tracekit: error: {e}", file=sys.stderr)
+        sys.exit(2)
     if why := argument_problem(sys.argv[1:]) or root_problem(sys.argv[1:]):
         print(f"tracekit: error: {why}", file=sys.stderr)
+        sys.exit(2)
+    if why := exposed_root_problem(sys.argv[1:]):  # nothing may be written there, the run dir included
+        print(f"tracekit: config error: {why}", file=sys.stderr)
         sys.exit(2)
     catch_signals()
     logging.raiseExceptions = False  # a log line that cannot be written (a full disk) is dropped, not a traceback

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import field, make_dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -53,11 +53,18 @@ def config_schema() -> type:
     return make_dataclass("Config", [
         *((name, cls, field(default_factory=cls)) for name, cls in groups),
         ("experiment", Any, field(default=None)),
+        # a shipped warm start (tracekit/planted/warmstarts/<name>/) installed instead of training backbone.planted's:
+        # the same weights bit for bit, so no stage reads it (keys unchanged); checked against the planted key
+        ("warm_start", Optional[str], field(default=None)),
+        # {preset: the preset this one is built on, cuts: {key: why}}: named in the first log line and summary.md
+        ("built_on", Any, field(default=None)),
         ("scale", ScaleConfig, field(default_factory=ScaleConfig)),
         ("stages", list[str], field(default_factory=lambda: ["evaluate"])),
         ("seed", int, field(default=42)),
         ("name", str, field(default="default")),
-    ], namespace={"RANGES": {"seed": ">= 0"}, "CHOICES": REGISTRY_CHOICES})
+    ], namespace={"RANGES": {"seed": ">= 0"},
+                  # warm_start: a name; which names are shipped is planted.shipped's to say (validate: one line)
+                  "CHOICES": {**REGISTRY_CHOICES, "warm_start": r"[A-Za-z0-9_.-]+"}})
 
 
 def register_configs() -> None:

@@ -21,9 +21,10 @@ from tracekit.analysis.select import Thresholds
 from tracekit.analysis.settings import discovery_config, discovery_reads, labeling_config, labeling_reads
 from tracekit.analysis.stages import import_labels, label, read_labels
 from tracekit.analysis.stages import select_stage as run_select
-from tracekit.artifacts import Artifact, atomic_write_json, file_sha256, read_json
+from tracekit.artifacts import Artifact, atomic_write_json, atomic_write_text, file_sha256, read_json
 from tracekit.config import imported_run_files, read_pinned_dictionary
 from tracekit.evaluate import RESULTS, SCORED_ROWS, paired_table, wandb_rows, write_results
+from tracekit.report.ladder import LADDER_PNG, RESULTS_MD, write_ladder_chart
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import CONSOLIDATED, STRATEGIES, compose_inputs, compose_reads, write_consolidated
 from tracekit.pipeline import Pipeline, Stage, StageContext
@@ -265,11 +266,17 @@ def evaluate_report(art: Artifact, ctx: StageContext) -> None:
     notes = [f"- {label}: {n}" for label, r in results.items() for n in r.get("notes", ())]
     on = evaluation_config(ctx.cfg)
     paired = paired_table({label: r["paired_vs_base"] for label, r in results.items() if "paired_vs_base" in r})
-    table = target_of(on).markdown_table(results) + paired + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    protocol = target_of(on).protocol(on)  # a versioned benchmark's task set and user simulator, above its table
+    table = ((f"{protocol}\n\n" if protocol else "") + target_of(on).markdown_table(results) + paired
+             + ("\n" + "\n".join(notes) + "\n" if notes else ""))
     trained = f" (trained on {ctx.cfg.benchmark.name})" if on is not ctx.cfg else ""
     print(f"\n{on.benchmark.name}{trained} ({ctx.cfg.backbone.name}, eval={ctx.cfg.eval.mode}):\n{table}\n", flush=True)
-    ctx.record.section("Evaluation", table)
     atomic_write_json(ctx.record.run_dir / RESULTS, results, sort_keys=False)  # the run's own copy (a multirun's table reads it)
+    atomic_write_text(ctx.record.run_dir / RESULTS_MD, table)
+    write_ladder_chart(results, ctx.record.run_dir / LADDER_PNG,
+                       f"{on.benchmark.name}{trained}, {ctx.cfg.backbone.name}: {ctx.cfg.name}")
+    ctx.record.section("Evaluation", f"{table}\n![the ladder: each row's success and its paired difference against "
+                                     f"Base]({LADDER_PNG}) (`{LADDER_PNG}`; the table: `{RESULTS_MD}`)\n")
     cols, rows = wandb_rows(results)
     ctx.record.logger.table("eval/results", cols, rows)
 

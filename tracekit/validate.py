@@ -27,7 +27,9 @@ from tracekit.llm.openai import OpenAIChatClient
 from tracekit.llm.world_tokenizer import MIN_VOCAB as MIN_WORLD_VOCAB
 from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
+from tracekit.planted.shipped import verify_shipped
 from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
+from tracekit.report.preset import check_built_on
 from tracekit.ranges import check_choice, check_value, declared, field_hints
 from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPORecipe, LauncherSettings
@@ -193,6 +195,9 @@ def _validate(cfg: DictConfig) -> None:
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e)) from None
         _check_world_backbone(cfg, planted)
+    if cfg.get("warm_start") is not None:  # a shipped warm start: its key and every file's sha256, one line
+        verify_shipped(cfg.warm_start, cfg.backbone)
+    check_built_on(cfg)
     for key in ("tool_choice", "copy_ids"):
         if cfg.agent[key] not in ("auto", False):
             _check(cfg.agent.constrained_tool_calls, "agent.constrained_tool_calls", False,

@@ -10,11 +10,51 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from tracekit.config import ConfigError
+from tracekit.types import stable_hash
+
 log = logging.getLogger(__name__)
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of a run directory: the same directory, the same W&B run, so a restart of a run
+    (``python -m tracekit --resume <run dir>``, or any run given that directory again) continues it."""
+    return "tk-" + stable_hash(str(Path(run_dir).resolve()), length=16)
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two plain configs (``paths`` left out: where a run
+    lives and caches is not what it computes)."""
+    out = []
+    for key in sorted(set(before) | set(after)):
+        full = f"{prefix}{key}"
+        if full == "paths":
+            continue
+        a, b = before.get(key, "<absent>"), after.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{full}.")
+        elif a != b:
+            out.append(f"{full}: {a} -> {b}")
+    return out
+
+
+def check_resumed_config(cfg: DictConfig, run_dir: Path) -> None:
+    """A run directory that already holds a run's ``config.yaml`` is that run resumed (its W&B run id is the
+    directory's): refused in one line (ConfigError) when this config computes anything else."""
+    previous = run_dir / "config.yaml"
+    if not previous.is_file():
+        return
+    changes = config_changes(OmegaConf.to_container(OmegaConf.load(previous), resolve=False),
+                             OmegaConf.to_container(cfg, resolve=True))
+    if changes:
+        shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        raise ConfigError(f"--resume {run_dir}: that run (W&B run {wandb_run_id(run_dir)}) was started with another "
+                          f"config ({shown}): resume it with its own overrides, or start a new run")
+
+
 class RunLogger:
-    """Logs scalars, tables and images to W&B when enabled; a no-op sink otherwise."""
+    """Logs scalars, tables and images to W&B when enabled; a no-op sink otherwise. The W&B run's id derives from
+    the run directory (:func:`wandb_run_id`) and resuming is allowed: a restarted run logs into its first W&B run."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.run = None
@@ -27,13 +67,16 @@ class RunLogger:
         self.run = wandb.init(
             project=cfg.logger.project,
             entity=cfg.logger.entity,
+            id=wandb_run_id(run_dir),
+            resume="allow",
             name=f"{cfg.name}-{run_dir.name}",
             dir=str(run_dir),
             mode=cfg.logger.mode,
             config=OmegaConf.to_container(cfg, resolve=True),
             reinit="finish_previous",
         )
-        log.info("W&B run (%s) in %s", cfg.logger.mode, run_dir / "wandb")
+        log.info("W&B run %s (%s, resumed: %s) in %s", self.run.id, cfg.logger.mode, bool(self.run.resumed),
+                 run_dir / "wandb")
 
     def scalars(self, values: dict[str, Any], step: int | None = None) -> None:
         if self.run is not None:

