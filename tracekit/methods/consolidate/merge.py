@@ -14,7 +14,7 @@ naming both.
 at that scale, the merged adapter is rolled out greedily on the validation seeds ``0..validation_seeds-1`` of every
 ready capability environment (never the training seeds nor the held-out target's instances; each a cached
 ``merge_validation`` sub-artifact), and the value of the highest mean reward over the environments wins (ties: the
-first listed). The chosen value is in the row's label (``Merge: linear (lam 0.5 on validation)``) and its notes
+first listed, so list the merge's usual scale first). The chosen value is in the row's label (``Merge: linear (lam 0.5 on validation)``) and its notes
 (every value's mean reward); the merge's own ``lam`` is not used. The search rolls episodes out: they count in the
 row's budget.
 """
