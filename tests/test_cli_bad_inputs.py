@@ -118,3 +118,94 @@ def test_the_cli_refuses_in_one_line_with_exit_2_and_leaves_no_run_dir(tmp_path,
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(starts), out.stderr[-2000:]
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "cache").exists()
+
+
+# -- a cache or root the coding jail would show every command -----------------------------------------------------
+
+
+def _bound_dir() -> str:
+    from tracekit.coding.sandbox import system_binds
+
+    bound = next(b for b in system_binds() if b.startswith("/usr/") and Path(b).is_dir())
+    return f"{bound}/tracekit-test-refused-{__import__('os').getpid()}"
+
+
+@pytest.mark.parametrize("key", ["paths.cache_dir", "paths.root_dir"])
+def test_a_coding_run_with_its_cache_or_root_under_a_bound_dir_is_refused_naming_the_key(make_cfg, key):
+    refused = _bound_dir()
+    cfg = make_cfg("benchmark=coding_toolz", f"{key}={refused}")
+    with pytest.raises(ConfigError, match=rf"^coding sandbox: refused: the tracekit cache or root {refused} \({key}\) "
+                                          "lies inside /usr/"):
+        validate(cfg)
+    assert not Path(refused).exists()
+
+
+def test_a_root_under_a_bound_dir_is_refused_before_hydra_makes_the_run_dir(monkeypatch):
+    """exposed_root_problem composes and validates the run's config before Hydra writes its run dir under the root;
+    a target without the jail keeps such a root."""
+    from tracekit.cli import exposed_root_problem
+
+    refused = _bound_dir()
+    monkeypatch.setenv("TRACEKIT_ROOT", refused)
+    monkeypatch.setenv("TRACEKIT_CACHE", str(Path(__file__).parent / "no-such-cache-dir"))
+    why = exposed_root_problem(["benchmark=coding_toolz", "stages=[rollout]", "logger=none"])
+    assert why is not None and f"{refused} (paths.root_dir) lies inside /usr/" in why
+    assert exposed_root_problem(["experiment=micro", "stages=[rollout]"]) is None
+    assert exposed_root_problem(["-m", "benchmark=coding_toolz"]) is None  # the sweep callback validates each job
+    assert not Path(refused).exists()
+
+
+# -- a disk that fills while train writes a checkpoint or an adapter -----------------------------------------------
+
+_FILL = """
+import sys, torch
+from pathlib import Path
+import tracekit.cli as cli
+from tracekit.rl.components import atomic_dir
+cli._model_cache = lambda: None
+try:
+    atomic_dir(Path(sys.argv[1]) / "adapter", lambda tmp: (tmp.mkdir(), torch.save(torch.zeros(1 << 20), tmp / "w.pt")))
+except Exception as e:
+    sys.exit(cli.report_failure(e, (sys.argv[1],)))
+"""
+
+
+def test_a_full_disk_under_a_checkpoint_write_is_one_line_naming_the_path_and_the_free_space(tmp_path):
+    """A real full disk (a 1 MiB tmpfs in a private mount namespace): torch's zip writer fails with "unexpected
+    pos ...", which the train stage's writes turn into one line naming the path and the space left."""
+    from tests.test_cli_errors import _mount_ns
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = subprocess.run([*_mount_ns(), "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs {disk} && exec "$@"', "sh",
+                          sys.executable, "-c", _FILL, str(disk)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"})
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("tracekit:")]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith(f"tracekit: error: No space left on device (0.0 MiB free on its disk; RuntimeError: ")
+    assert "unexpected pos" in lines[0] and f": {disk}/adapter: free space there" in lines[0]
+
+
+def test_a_failed_checkpoint_write_with_space_left_keeps_its_own_error_and_leaves_no_partial(tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+
+    from tracekit.rl import components
+
+    def failing_save(obj, path):
+        raise RuntimeError("unexpected pos 8512 vs 8406")
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(components, "save_peft_adapter", lambda *a, **k: None)
+    monkeypatch.setattr(components.torch, "save", failing_save)
+    backend = SimpleNamespace(save=lambda d, rank: None)
+    with pytest.raises(RuntimeError, match="^unexpected pos"):  # plenty of space: not a full disk
+        components.save_checkpoint(tmp_path / "ckpt", 1, model, backend, {}, keep=2)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=3 << 20))
+    with pytest.raises(OSError) as e:
+        components.save_checkpoint(tmp_path / "ckpt", 1, model, backend, {}, keep=2)
+    assert e.value.errno == 28 and e.value.filename == str(tmp_path / "ckpt" / "iter_00001")
+    assert "3.0 MiB free on its disk; RuntimeError: unexpected pos 8512 vs 8406" in e.value.strerror
+    assert list((tmp_path / "ckpt").iterdir()) == []  # the unfinished checkpoint's space given back

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -123,6 +124,38 @@ def _why_unwritable(d: Path, e: OSError) -> str:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{d} has no space left ({e.strerror})"
     return f"cannot write in {d} ({e.strerror or e})"
+
+
+LOW_FREE_BYTES = 64 << 20  # a large write (a checkpoint, a model) that fails with less free than this: a full disk
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free bytes on the file system holding ``path`` (its nearest existing ancestor); None when unknown."""
+    d = Path(path)
+    while not d.exists() and d.parent != d:
+        d = d.parent
+    try:
+        return shutil.disk_usage(d).free
+    except OSError:
+        return None
+
+
+@contextmanager
+def full_disk_named(path: str | Path) -> Iterator[None]:
+    """Around large writes under ``path`` (checkpoints, adapters, safetensors): a failure while the disk holding it
+    is full is raised as ``OSError(ENOSPC)`` naming ``path`` and the free space left, the library's own error after
+    it. torch's zip writer says only ``unexpected pos 8512 vs 8406``, safetensors an I/O error; the CLI's one line
+    for a full disk (:func:`tracekit.cli.disk_error`) reads this one."""
+    try:
+        yield
+    except Exception as e:
+        free = free_bytes(path)
+        said = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not said and (free is None or free >= LOW_FREE_BYTES):
+            raise
+        left = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
+        raise OSError(errno.ENOSPC, f"No space left on device ({left} free on its disk; {type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:200]})", str(path)) from e
 
 
 def atomic_write_json(path: str | Path, obj: Any, sort_keys: bool = True) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
+from tracekit.artifacts import atomic_write_json, atomic_write_text, full_disk_named, read_json
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ def atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        write(tmp)
+        with full_disk_named(final):
+            write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -157,12 +158,18 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    with gathered():
-        if rank == 0:
-            save_peft_adapter(model, tmp / "adapter", adapter_name)
-            atomic_write_json(tmp / "state.json", {"iteration": index, **state})
-    backend.save(tmp, rank)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    try:
+        with full_disk_named(final), gathered():
+            if rank == 0:
+                save_peft_adapter(model, tmp / "adapter", adapter_name)
+                atomic_write_json(tmp / "state.json", {"iteration": index, **state})
+        with full_disk_named(final):
+            backend.save(tmp, rank)
+            torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    except BaseException:
+        if rank == 0:  # the unfinished checkpoint's space back (the previous one stays the one to resume from)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # an unreferenced leftover of a killed run

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from tracekit.agents import GoldAgent
 from tracekit.coding.config import CodingSettings, build_suite, check, command_limits
 from tracekit.coding.config import build_suite as coding_suite
 from tracekit.coding.reference import CodingReferenceLabeler, reference_dictionary
-from tracekit.coding.sandbox import require_jail
+from tracekit.coding.sandbox import CacheExposed, register_cache, require_jail
 from tracekit.coding.swebench import SweBenchSuite
-from tracekit.config import _check
+from tracekit.config import ConfigError, _check
 from tracekit.targets.base import ClientFor, Target
 
 
@@ -30,6 +30,13 @@ class CodingTarget(Target):
     patch_reward = True  # the tasks carry their gold patches (SWE-RL's reward)
 
     def validate(self, cfg: DictConfig) -> None:
+        # a cache or root the jail would show every command (gold patches, hidden tests) is refused before any stage
+        # writes there (the task generator registers the cache again when it runs)
+        for key in ("paths.cache_dir", "paths.root_dir"):
+            try:
+                register_cache(OmegaConf.select(cfg, key), key)
+            except CacheExposed as e:
+                raise ConfigError(str(e)) from None
         for key, value, valid in check(cfg.benchmark):
             _check(False, key, value, valid)
 
