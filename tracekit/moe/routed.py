@@ -22,6 +22,7 @@ were computed under other weights): correct, and slower than token routing when 
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,8 @@ import torch
 from tracekit.moe.gate import prompt_decisions
 from tracekit.moe.model import LoRAMoEModel
 from tracekit.moe.task_router import load_task_router
+
+log = logging.getLogger(__name__)
 
 Encode = Callable[[list[Any], Any], list[int]]  # (messages, tools) -> prompt ids (the chat template, generation prompt)
 _DECISION_CACHE = 4096  # episode openings whose decision is kept (trajectory granularity)
@@ -86,6 +89,13 @@ class PromptRoutedClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def clear_prefix_cache(self) -> dict[str, int]:
+        """The wrapped client's (a rollout clears it when it starts and ends), logging the decisions so far."""
+        if self.decisions:
+            log.info("routed per %s: %s (turns per decision)", "turn" if self.turn else "episode",
+                     ", ".join(f"{k}: {n}" for k, n in self.decisions.most_common()))
+        return self.inner.clear_prefix_cache()
 
     def _weights(self, requests: list[Any]) -> list[torch.Tensor]:
         if self.turn:
