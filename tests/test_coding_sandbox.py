@@ -268,45 +268,57 @@ def test_every_copy_of_a_hidden_package_in_a_bound_directory_is_covered(ws, tmp_
     assert int(shown_all.output.split()[0]) > 10 and shown_all.output.split()[1:3] != ["0", "0"], shown_all.output
 
 
-def test_a_cache_under_a_bound_prefix_is_refused(make_cfg, monkeypatch, ws):
-    """``paths.cache_dir=`` inside the interpreter's prefix (bound into every command): the coding target refuses
-    before generating anything, in one line naming the cache and the prefix; so does every command while
-    ``$TRACEKIT_CACHE`` names one there, or while a task cache left there by another run exists."""
+def test_a_cache_under_a_bound_directory_is_refused(make_cfg, monkeypatch, ws):
+    """``paths.cache_dir=`` inside a directory the jail binds into every command (the smallest of /usr's bound
+    ones): the coding target refuses before generating anything, in one line naming the cache and the directory; so
+    does every command while ``$TRACEKIT_CACHE`` names one there, or while a task cache left there by another run
+    exists. The interpreter's prefix is not such a directory any more (the jail shows an image of what it needs):
+    a cache there is neither refused nor visible."""
     from tracekit.artifacts import StageCache
     from tracekit.coding import runtime
     from tracekit.targets import target
 
-    prefix = sandbox._real(sys.prefix)
-    if not os.access(prefix, os.W_OK):
-        pytest.skip(f"the interpreter's prefix {prefix} is not writable here")
+    bound = next((d for d in ("/usr/sbin", "/usr/libexec", "/usr/bin") if d in sandbox.system_binds()
+                  and os.access(d, os.W_OK)), None)
+    if bound is None:
+        pytest.skip("no directory bound into every command is writable here")
     monkeypatch.setattr(sandbox, "_CACHES", {})
-    cache = Path(prefix) / f"tracekit-test-cache-{uuid.uuid4().hex[:12]}"
+    cache = Path(bound) / f"tracekit-test-cache-{uuid.uuid4().hex[:12]}"
+    in_prefix = Path(sandbox._real(sys.prefix)) / f"tracekit-test-cache-{uuid.uuid4().hex[:12]}"
     try:
         cfg = make_cfg("benchmark=coding_toolz", "benchmark.split=test")
         cfg.paths.cache_dir = str(cache)
         with pytest.raises(sandbox.CacheExposed) as e:
             target("coding").build_suite(cfg, None, None)
         said = str(e.value)
-        assert _one_line(said) and f"{cache} (paths.cache_dir)" in said and f"inside {prefix}," in said, said
+        assert _one_line(said) and f"{cache} (paths.cache_dir)" in said and f"inside {bound}," in said, said
         assert not cache.exists()  # refused before anything was generated
         monkeypatch.setattr(sandbox, "_CACHES", {})
         cache.mkdir()
         monkeypatch.setenv("TRACEKIT_CACHE", str(cache))
-        with pytest.raises(sandbox.CacheExposed, match=f"{cache} \\(TRACEKIT_CACHE\\) lies inside {prefix},"):
+        with pytest.raises(sandbox.CacheExposed, match=f"{cache} \\(TRACEKIT_CACHE\\) lies inside {bound},"):
             ws.run("true", LIMITS)
         monkeypatch.delenv("TRACEKIT_CACHE")
         plant_task_cache(cache, "left")  # left by another run, named by nothing this process knows
         runtime._SCANS.clear()  # (a bound tree is walked again after SCAN_TTL_S)
         with pytest.raises(sandbox.CacheExposed) as e:
             ws.run("true", LIMITS)
-        assert _one_line(str(e.value)) and f"{cache}/coding_tasks lies inside {prefix}," in str(e.value)
+        assert _one_line(str(e.value)) and f"{cache}/coding_tasks lies inside {bound}," in str(e.value)
         shutil.rmtree(cache / "coding_tasks")
         StageCache(cache).get_or_compute("rollouts", "k1", lambda d: (d / "trajectories.jsonl").write_text("{}\n"))
         runtime._SCANS.clear()  # a stage artifact (trajectories hold gold patches) left there by another run
-        with pytest.raises(sandbox.CacheExposed, match=f"{cache}/rollouts/k1 lies inside {prefix},"):
+        with pytest.raises(sandbox.CacheExposed, match=f"{cache}/rollouts/k1 lies inside {bound},"):
             ws.run("true", LIMITS)
+        shutil.rmtree(cache)
+        runtime._SCANS.clear()
+        if os.access(in_prefix.parent, os.W_OK):
+            sandbox.register_cache(in_prefix)  # not refused: nothing of the prefix is bound as a directory
+            plant_task_cache(in_prefix, "prefix")
+            r = ws.run(f"ls {in_prefix} {in_prefix}/coding_tasks; echo end", LIMITS)
+            assert r.output.count("No such file or directory") == 2 and "plantedprefix" not in r.output, r.output
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(in_prefix, ignore_errors=True)
         runtime._SCANS.clear()
     assert ws.run("echo alive", LIMITS).output.strip() == "alive"
 

@@ -9,12 +9,14 @@
 - :func:`read_tree`: the copy read back with bounded memory (a total byte budget and an entry budget; what is left
   out is listed in the returned tree's ``cut``).
 - :func:`apply_patch`: ``git apply`` of an untrusted patch, run inside the sandbox on a fresh copy.
-- :func:`run_tests`: pytest inside the sandbox with a small reporting plugin; the outcome of every test by node id.
+- :func:`run_tests`: pytest inside the sandbox under tracekit's reporter; the outcome of every test by node id,
+  through a signed channel the tested code cannot find, with every sign of tampering.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import hmac
 import json
 import logging
 import os
@@ -22,6 +24,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +68,7 @@ MAX_FILE_BYTES = 2 << 20  # a larger file in a copy is left out of its patch
 MAX_TREE_BYTES = 128 << 20  # what read_tree reads in all (a copy of sparse or huge files cannot exhaust the host)
 MAX_TREE_ENTRIES = 100_000  # files and directories read_tree visits
 CACHE_DIRS = (".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis")
-MAX_REPORT_BYTES = 16 << 20  # a test run's JSON report larger than this is not read
+MAX_REPORT_BYTES = 16 << 20  # a test run's report channel carrying more than this is tampering
 
 
 class Tree(dict):
@@ -224,45 +227,142 @@ class TestRun:
     timed_out: bool = False
     events: list[str] = field(default_factory=list)
     output: str = ""
+    tampering: list[str] = field(default_factory=list)  # why the outcome cannot be trusted (see run_tests)
+    ended: bool = False  # the reporter's signed end record arrived
+    returncode: int | None = None
 
     def passed(self) -> set[str]:
         return {t for t, o in self.tests.items() if o == "passed"}
 
 
-def run_tests(repo: Path, selection: list[str], limits: CommandLimits, hide: tuple[str, ...] = ()) -> TestRun:
+REPORTER = PLUGIN_DIR / "tracekit_report.py"
+DECOY = "TRACEKIT_REPORT"  # named in the test run's environment: a path no reporter uses (a write there is tampering)
+NOT_PACKAGES = ("conftest.py", "setup.py", "noxfile.py", "sitecustomize.py", "usercustomize.py")
+
+
+def top_level_packages(repo: Path) -> tuple[str, ...]:
+    """The importable top-level names of the tree at ``repo`` (packages with ``__init__.py``, modules)."""
+    out = []
+    for p in sorted(repo.iterdir()):
+        if p.is_dir() and (p / "__init__.py").is_file() and p.name.isidentifier():
+            out.append(p.name)
+        elif p.is_file() and p.suffix == ".py" and p.name not in NOT_PACKAGES and p.stem.isidentifier():
+            out.append(p.stem)
+    return tuple(out)
+
+
+def run_tests(repo: Path, selection: list[str], limits: CommandLimits, hide: tuple[str, ...] = (),
+              protected: tuple[Path, ...] = ()) -> TestRun:
     """pytest on ``selection`` (node ids or paths, relative to ``repo``) in the sandbox (``hide``: as
-    :func:`tracekit.coding.sandbox.run`'s: the package the tree is a copy of, which only the tree may provide). A
-    run killed at a limit (a hanging test) reports what finished before (nothing, usually) and ``timed_out``."""
+    :func:`tracekit.coding.sandbox.run`'s: the package the tree is a copy of, which only the tree may provide;
+    ``protected``: paths of the tree the run sees read-only, the test directories). A run killed at a limit (a
+    hanging test) reports what finished before (nothing, usually) and ``timed_out``.
+
+    **The outcome's channel** (the tree's code runs in the same process as the reporter, so nothing it can reach
+    is trusted as such): pytest runs under :data:`REPORTER` (``tracekit_report.py``), our own configuration
+    (``-c /dev/null``, ``--rootdir``/``--confcutdir`` the tree, no cache provider, no plugin autoload), which
+    writes HMAC-signed, numbered records to an inherited pipe; the key comes through a second pipe the reporter
+    reads and closes before any code of the tree is imported. No path of the report exists anywhere; the
+    environment names a decoy (:data:`DECOY`) that nothing reads. What makes the run ``tampering`` (listed in
+    ``TestRun.tampering``): a record the key did not sign, out of order, or anything after the end record; no end
+    record from a process that was not killed at a limit; an exit status other than the end record's, or one that
+    contradicts the outcomes; more than :data:`MAX_REPORT_BYTES` on the channel; a write to the decoy; and every
+    ``tamper`` record of the reporter's in-process checks (see its module)."""
     holder = sandbox.new_workdir("res-")
+    key = os.urandom(32)
+    chan_r, chan_w = os.pipe()
+    key_r, key_w = os.pipe()
+    got = bytearray()
+    over = [False]
+
+    def drain() -> None:
+        while True:
+            data = os.read(chan_r, 1 << 16)
+            if not data:
+                return
+            if len(got) + len(data) > MAX_REPORT_BYTES:
+                over[0] = True
+            else:
+                got.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     try:
-        sandbox.bounded_dir(holder, MAX_REPORT_BYTES + (1 << 20), inodes=64)
+        os.write(key_w, key)
+        os.close(key_w)
+        key_w = -1
+        sandbox.bounded_dir(holder, 1 << 20, inodes=64)
         sandbox.give_to_sandbox(holder)
-        report = holder / "report.json"
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tracekit_report",
-                "--rootdir", str(repo), "--confcutdir", str(repo), "-c", "/dev/null", "-o", "addopts=", "--tb=short", "--no-header",
-                "-W", "ignore::DeprecationWarning", *selection]
-        env = {"PYTHONPATH": f"{repo}:{PLUGIN_DIR}", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-               "TRACEKIT_REPORT": str(report)}
-        r = sandbox.run(argv, repo, limits, env=env, read_only=(PLUGIN_DIR,), writable=(holder,), hide=hide)
-        data = _report(report)
+        argv = [sys.executable, "-B", str(REPORTER), "--channel", str(chan_w), "--key-fd", str(key_r),
+                "--repo", str(repo), "--package", ",".join(top_level_packages(repo)),
+                "--protected", ",".join(os.path.relpath(p, repo) for p in protected), "--",
+                "-q", "-p", "no:cacheprovider", "--rootdir", str(repo), "--confcutdir", str(repo), "-c", "/dev/null",
+                "-o", "addopts=", "--tb=short", "--no-header", "-W", "ignore::DeprecationWarning", *selection]
+        env = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", DECOY: str(holder / "report.json")}
+        r = sandbox.run(argv, repo, limits, env=env, read_only=(PLUGIN_DIR,), writable=(holder,), hide=hide,
+                        protected=tuple(protected), pass_fds=(chan_w, key_r))
+        decoy = sorted(p.name for p in holder.iterdir())
     finally:
+        for fd in (chan_w, key_r, key_w):
+            if fd >= 0:
+                os.close(fd)
+        reader.join(timeout=30)
+        os.close(chan_r)
         sandbox.release_dir(holder)
         shutil.rmtree(holder, ignore_errors=True)
-    return TestRun(data.get("tests", {}), data.get("failures", {}), data.get("collect_errors", []), r.wall_s,
-                   "wall_time" in r.events or "cpu_time" in r.events, r.events, r.output)
+    timed_out = "wall_time" in r.events or "cpu_time" in r.events
+    run = TestRun(wall_s=r.wall_s, timed_out=timed_out, events=r.events, output=r.output, returncode=r.returncode)
+    _read_channel(bytes(got), key, r.returncode, run)
+    if over[0]:
+        run.tampering.append(f"more than {MAX_REPORT_BYTES} bytes on the report channel")
+    if decoy:
+        run.tampering.append(f"the test run wrote {', '.join(decoy)} where ${DECOY} points (no reporter does)")
+    return run
 
 
-def _report(path: Path) -> dict:
-    """The plugin's report (written by untrusted code: a regular file of bounded size holding a JSON object, else
-    nothing)."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return {}
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REPORT_BYTES:
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
+def _read_channel(data: bytes, key: bytes, returncode: int | None, run: TestRun) -> None:
+    """Fill ``run`` from the channel's records (see :func:`run_tests`): outcomes, and every reason not to trust
+    them in ``run.tampering``."""
+    expected, end = 0, None
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            body = rec["body"]
+            ok = hmac.compare_digest(hmac.new(key, body.encode(), "sha256").hexdigest(), str(rec["mac"]))
+            msg = json.loads(body) if ok else None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok, msg = False, None
+        if not ok or not isinstance(msg, dict) or msg.get("seq") != expected:
+            run.tampering.append(f"record {i} on the report channel is not the reporter's (unsigned, forged or "
+                                 f"out of order): {line[:120]!r}")
+            return
+        if end is not None:
+            run.tampering.append(f"record {i} on the report channel follows the end record")
+            return
+        expected += 1
+        kind = msg.get("kind")
+        if expected == 1 and kind != "start":
+            run.tampering.append("the report channel does not begin with the reporter's start record")
+        if kind == "test":
+            run.tests[msg["nodeid"]] = msg["outcome"]
+            if msg.get("text"):
+                run.failures[msg["nodeid"]] = msg["text"]
+        elif kind == "collect_error":
+            run.collect_errors.append(msg["nodeid"])
+            run.failures[msg["nodeid"]] = msg.get("text", "")
+        elif kind == "tamper":
+            run.tampering.append(f"{msg.get('where')}: {msg.get('what')}")
+        elif kind == "end":
+            end = msg
+    if end is None:  # the caller decides: killed at a limit, or ended by the tested code (tampering)
+        return
+    run.ended = True
+    status = end.get("exitstatus")
+    if returncode != status:
+        run.tampering.append(f"the test process exited {returncode}, its reporter's end record says {status}")
+    failed = any(o == "failed" for o in run.tests.values()) or bool(run.collect_errors)
+    if (status == 0 and failed) or (status == 1 and not failed):
+        run.tampering.append(f"pytest's exit status {status} contradicts the reported outcomes")

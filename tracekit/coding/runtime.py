@@ -11,7 +11,17 @@ from their ``RECORD`` (with their ``__pycache__``), minus every hidden distribut
 interpreter and distribution set under ``<work root>/runtime/<key>/`` (key: :data:`FORMAT`, the interpreter, each
 copied distribution's name, version and RECORD hash), atomically; nothing of the real site directories is bound.
 
-**Hidden distributions** (``hide``: a task's package, e.g. ``("toolz",)``). Besides being left out of the runtime,
+**The interpreter's image** (:func:`interpreter_image`). The jail binds no directory of the interpreter's prefix as
+it is (a prefix under $HOME or /usr/local holds whatever was saved there: a wheel, an unpacked copy under another
+name, a ``__pycache__`` of the pristine module). It binds over the prefix a copy, made once per interpreter under
+``<work root>/runtime/python-<key>/``, of what the interpreter needs, each entry named: the executable and its
+links, the shared libraries of ``<prefix>/lib``, the runtime's commands (``pytest``), and of the standard library
+only its own top-level entries (:func:`stdlib_entry`: ``sys.stdlib_module_names``, ``lib-dynload``,
+``_sysconfigdata``; their ``__pycache__`` files). Something saved in the prefix later is never shown.
+
+**Hidden distributions** (``hide``: a task's package, e.g. ``("toolz",)``). Kept as a second line behind the
+allow-list, over the directories still bound whole (the system's, the image, a caller's). Besides being left out of
+the runtime,
 every copy of a hidden distribution that a bound directory holds anywhere (``/usr``, the prefix, a bound extra) is
 found by :func:`scan` and covered (a directory by an empty read-only tmpfs, a file by an empty read-only file):
 its ``.dist-info`` / ``.egg-info``, its wheels and source archives (by name), a directory named as one of its
@@ -423,3 +433,132 @@ def _scan(src: str, prune: set[str], fp: Fingerprint) -> Found:
                     check_file(e.path, e.name, est)
     rel = functools.partial(os.path.relpath, start=src)
     return Found(tuple(map(rel, dirs)), tuple(map(rel, files)), tuple(map(rel, caches)))
+
+
+# ---------------------------------------------------------------- the interpreter's image
+
+IMAGE_FORMAT = 1  # bump when what an interpreter image holds changes (its key changes with it)
+STDLIB_EXTRA = ("lib-dynload", "LICENSE.txt")  # stdlib entries that are no module name
+RUNTIME_SCRIPTS = ("pytest", "py.test")  # the task runtime's commands, beside the executable
+
+
+def stdlib_dir() -> str:
+    """The interpreter's standard library directory (real path: where ``os`` comes from)."""
+    return os.path.dirname(os.path.realpath(os.__file__))
+
+
+def stdlib_entry(name: str) -> bool:
+    """A top-level entry of the standard library directory the jail shows: a module or package of
+    ``sys.stdlib_module_names`` (never ``site-packages``, ``test``, ``config-*``), ``lib-dynload``, the
+    ``_sysconfigdata`` module. Anything else there (a copy of a package saved beside the standard library) is not
+    shown."""
+    names = getattr(sys, "stdlib_module_names", None)
+    if names is None:  # Python < 3.10: the modules of the standard library as this interpreter was built
+        names = frozenset(sys.builtin_module_names)
+    stem = name[:-3] if name.endswith(".py") else name
+    if name in STDLIB_EXTRA or (stem.startswith("_sysconfigdata_") and name.endswith(".py")):
+        return True
+    return stem in names and stem not in ("test", "site-packages") and (name.endswith(".py") or "." not in name)
+
+
+def _stdlib_pyc(name: str) -> bool:
+    """A ``__pycache__`` file of a shown top-level module (``<module>.<tag>[.opt-N].pyc``)."""
+    return name.endswith(".pyc") and stdlib_entry(name.split(".", 1)[0] + ".py")
+
+
+def interpreter_prefix() -> str | None:
+    """The base prefix of this interpreter when it is not a system directory the jail binds anyway (/usr): the
+    prefix the jail shows as an image (:func:`interpreter_image`); None for a system interpreter."""
+    prefix = os.path.realpath(sys.base_prefix)
+    stdlib = stdlib_dir()
+    if prefix in ("/usr", "/") or not stdlib.startswith(prefix + os.sep):
+        return None
+    return prefix
+
+
+def _image_listing(prefix: str) -> list[tuple[str, str]]:
+    """(source, path relative to the image) of everything the image copies: the executable and the links to it
+    in its directory, the shared libraries of ``<prefix>/lib``, and the shown standard library."""
+    out: list[tuple[str, str]] = []
+    exe = os.path.realpath(sys.executable)
+    if exe.startswith(prefix + os.sep):
+        out.append((exe, os.path.relpath(exe, prefix)))
+        bindir = os.path.dirname(exe)
+        for n in sorted(os.listdir(bindir)):
+            p = os.path.join(bindir, n)
+            if (os.path.islink(p) and os.path.realpath(p) == exe) or (n in RUNTIME_SCRIPTS and os.path.isfile(p)):
+                out.append((p, os.path.relpath(p, prefix)))
+    libdir = os.path.join(prefix, "lib")
+    if os.path.isdir(libdir):
+        for n in sorted(os.listdir(libdir)):
+            p = os.path.join(libdir, n)
+            if ".so" in n and (os.path.isfile(p) or os.path.islink(p)):
+                out.append((p, os.path.relpath(p, prefix)))
+    stdlib = stdlib_dir()
+    for n in sorted(os.listdir(stdlib)):
+        p = os.path.join(stdlib, n)
+        if n == "__pycache__":
+            out += [(os.path.join(p, f), os.path.relpath(os.path.join(p, f), prefix)) for f in sorted(os.listdir(p))
+                    if _stdlib_pyc(f) and os.path.isfile(os.path.join(p, f))]
+        elif stdlib_entry(n) and not os.path.islink(p):
+            out.append((p, os.path.relpath(p, prefix)))
+    return out
+
+
+def interpreter_image(base: Path) -> Path:
+    """The interpreter's image (:func:`_interpreter_image`), made or found once per process."""
+    return _interpreter_image(str(base), os.path.realpath(sys.executable))
+
+
+@functools.lru_cache(maxsize=4)
+def _interpreter_image(base: str, executable: str) -> Path:
+    """``<base>/runtime/python-<key>``: a copy of what the interpreter needs of its prefix (:func:`_image_listing`),
+    with an empty directory at each of its site directories (where the task runtime is bound); built once,
+    atomically, like the runtime. The jail binds it over the prefix, so the prefix shows nothing else however late
+    something is saved there (the copy is made once; its key changes with the interpreter and the standard
+    library's top-level entries)."""
+    prefix = interpreter_prefix()
+    if prefix is None:
+        raise RuntimeError("interpreter_image: this interpreter's prefix is a system directory")
+    listing = _image_listing(prefix)
+    sig = [[rel, int(os.lstat(src).st_mtime), os.lstat(src).st_size] for src, rel in listing]
+    key = hashlib.sha256(json.dumps({"format": IMAGE_FORMAT, "python": os.path.realpath(sys.executable),
+                                     "version": sys.version, "prefix": prefix, "listing": sig},
+                                    sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(base) / "runtime"
+    final = root / f"python-{key}"
+    done = root / f"python-{key}.complete"
+    if done.is_file():
+        return final
+    root.mkdir(mode=0o755, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".python-{key}-", dir=root))
+    try:
+        for src, rel in listing:
+            dst = work / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            elif os.path.isdir(src):
+                shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("site-packages"))
+            else:
+                shutil.copy2(src, dst)  # the mtime kept: the copied __pycache__ stays valid
+        for s in site_dirs():
+            if s.startswith(prefix + os.sep):
+                (work / os.path.relpath(s, prefix)).mkdir(parents=True, exist_ok=True)
+        for dirpath, dirnames, filenames in os.walk(work):
+            os.chmod(dirpath, 0o755)
+            for n in filenames:
+                p = os.path.join(dirpath, n)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o755 if os.access(p, os.X_OK) else 0o644)
+        os.chmod(work, 0o755)
+        try:
+            os.rename(work, final)
+        except OSError:  # another process made it first
+            if not done.is_file():
+                raise
+        else:
+            done.write_text(json.dumps({"prefix": prefix, "entries": len(listing)}) + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final

@@ -5,27 +5,35 @@ but the files of the copy. There is no uncontained fallback: where the jail cann
 :class:`JailUnavailable` with one line naming what is missing (:func:`jail_problem`), and the coding target refuses
 to run (``tracekit.coding.config.check``, at validation, before any work).
 
-**What the command sees** (an allow-list, not a host root with parts hidden): an empty tmpfs root into which are
-bound, read-only, ``/usr`` and the library/binary directories (``/bin``, ``/lib*``, ``/sbin``: symlinks into ``/usr``
-where the host has them so), a few loader files of ``/etc`` (``ld.so.cache``, ``alternatives``, ...; ``passwd``,
-``group``, ``hosts`` are generated: root and nobody only), ``/dev/{null,zero,full,random,urandom}``, the interpreter's
-prefix(es) wherever they live (``sys.prefix``, ``sys.base_prefix``: a venv under /tmp or $HOME, pyenv, conda, the
-system) with every site directory of the interpreter covered by the *task runtime* (pytest and its requirements,
-copied into a directory tracekit owns: :mod:`tracekit.coding.runtime`; nothing else installed shows, so neither does
-the package a task was made from), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file);
-writable: its own task copy (and ``writable``: a results directory); fresh size-limited tmpfs on ``/tmp``,
-``/var/tmp``, ``/dev/shm``; a fresh procfs of its own PID namespace. Nothing else exists for it: not the stage cache
-(gold patches, hidden tests), not the host checkout, not the host /proc, not $HOME, not sibling task copies (only its
-own directory under :func:`work_root` is bound), not a host unix socket (filesystem sockets are not bound; abstract
-ones belong to the network namespace). Where the checkout, $HOME or the work root lies inside a bound directory (a
-checkout under /usr) it is covered by an empty read-only tmpfs (:func:`secret_paths`), as is a cache inside a
-directory the caller binds. A tracekit cache or root (``$TRACEKIT_CACHE``, ``$TRACEKIT_ROOT``, the working
-directory's ``outputs``, a ``paths.cache_dir`` registered by the task generator: :func:`register_cache`) inside a
-directory bound for every command (/usr, the prefix: :func:`system_binds`), or a task cache (``coding_tasks``) or
-stage artifact met in any bound directory, is refused: :class:`CacheExposed`, one line naming the path and the
-bound directory. ``hide`` (a task's package): every copy of it a bound directory holds (source trees,
-``.dist-info``, wheels, files equal to its files) is covered too (:func:`tracekit.coding.runtime.scan`). Network: a
-fresh network namespace (no interface up). The root is remounted read-only and nothing is mounted with suid or device nodes (but /dev's).
+**What the command sees** (an allow-list: nothing of the host is shown unless named here): an empty tmpfs root
+into which are bound, read-only, the system's programs and libraries (``/usr/bin``, ``/usr/sbin``, ``/usr/lib*``,
+``/usr/libexec``; ``/bin``, ``/lib*``, ``/sbin``: symlinks into ``/usr`` where the host has them so; never
+``/usr/local``, ``/usr/share``, ``/usr/src`` or ``/usr/include``, of which only the files of
+:data:`USR_SHARE_KEPT` are bound, file by file), a few loader files of ``/etc`` (``ld.so.cache``,
+``alternatives``, ...; ``passwd``, ``group``, ``hosts`` are generated: root and nobody only),
+``/dev/{null,zero,full,random,urandom}``, the interpreter (:func:`_interpreter_view`): its base prefix as an
+*image* tracekit copied once (the executable and its links, the prefix's shared libraries, the standard library's
+own top-level entries: :func:`tracekit.coding.runtime.interpreter_image`), a venv's ``pyvenv.cfg`` and
+``bin/python*`` file by file, and at every site directory the *task runtime* (pytest and its requirements, copied
+into a directory tracekit owns: :mod:`tracekit.coding.runtime`; nothing else installed shows, so neither does the
+package a task was made from), and what the caller names (``read_only``: tracekit's pytest plugin, a patch file;
+``protected``: test directories of the copy); writable: its own task copy (and ``writable``: a results directory);
+fresh size-limited tmpfs on ``/tmp``, ``/var/tmp``, ``/dev/shm``; a fresh procfs of its own PID namespace. Nothing
+else exists for it: not the stage cache (gold patches, hidden tests), not the host checkout, not the host /proc,
+not $HOME (the path to a prefix under it holds only the image), not a copy of a package saved anywhere in the
+interpreter's prefix or beside the standard library (the image is a copy of named entries: what is saved there
+later never shows), not sibling task copies (only its own directory under :func:`work_root` is bound), not a host
+unix socket (filesystem sockets are not bound; abstract ones belong to the network namespace). Where the checkout,
+$HOME or the work root lies inside a bound directory it is covered by an empty read-only tmpfs
+(:func:`secret_paths`), as is a cache inside a directory the caller binds. A tracekit cache or root
+(``$TRACEKIT_CACHE``, ``$TRACEKIT_ROOT``, the working directory's ``outputs``, a ``paths.cache_dir`` registered by
+the task generator: :func:`register_cache`) inside a directory bound for every command (:func:`system_binds`), or a
+task cache (``coding_tasks``) or stage artifact met in any bound directory, is refused: :class:`CacheExposed`, one
+line naming the path and the bound directory. ``hide`` (a task's package): the scan stays as a second line over the
+directories still bound whole (the system directories, the image, the caller's): every copy of the package it
+recognises there (source trees, ``.dist-info``, wheels, files equal to its files) is covered too
+(:func:`tracekit.coding.runtime.scan`). Network: a fresh network namespace (no interface up). The root is remounted
+read-only and nothing is mounted with suid or device nodes (but /dev's).
 
 **Who runs it** (``isolation()["mode"]``): as root (``root``) the command runs as ``nobody``, owner of its copy
 only; otherwise (``userns``) the jail is built in a user namespace where the caller is root, and the command runs
@@ -80,7 +88,10 @@ from tracekit.coding import runtime
 NOBODY = 65534
 JAIL = Path(__file__).with_name("_jail.py")
 ACCOUNTINGS = ("cgroup2", "cgroup1", "watchdog")
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# the system's programs and libraries: of /usr only these (not /usr/local, /usr/share, /usr/src, /usr/include)
+SYSTEM_DIRS = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/libexec",
+               "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+USR_SHARE_KEPT = ("misc/magic.mgc",)  # of /usr/share only these files (``file``'s database)
 ETC_KEPT = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "protocols", "services",
             "mime.types", "magic", "magic.mime")
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -458,8 +469,8 @@ def system_binds() -> list[str]:
     out = [_real(d) for d in SYSTEM_DIRS if not os.path.islink(d) and os.path.isdir(d)]
     out += [_real(f"/etc/{n}") for n in _etc_names() if not os.path.islink(f"/etc/{n}") and
             os.path.exists(f"/etc/{n}")]
-    out += [_real(p) for p in interpreter_paths()]
-    out.append(_real(work_root() / "runtime"))
+    out += [_real(p) for p in interpreter_paths() if _real(p) == "/nix/store"]
+    out.append(_real(work_root() / "runtime"))  # the task runtime and the interpreter's image
     return list(dict.fromkeys(out))
 
 
@@ -490,13 +501,43 @@ def _targets(p: str | os.PathLike) -> list[str]:
     return list(dict.fromkeys([os.path.normpath(os.path.abspath(p)), _real(p)]))
 
 
-def _at(m: dict, src: str) -> str:
-    """Where ``src`` (inside ``m["src"]``) appears in the jail through bind ``m``."""
-    return os.path.normpath(m["dst"] + "/" + os.path.relpath(src, m["src"]))
+def _at(m: dict, src: str, origin: str | None = None) -> str:
+    """Where ``src`` (inside ``origin``: ``m["src"]``, or the host directory an image stands for) appears in the
+    jail through bind ``m``."""
+    return os.path.normpath(m["dst"] + "/" + os.path.relpath(src, origin or m["src"]))
+
+
+def _interpreter_view(system_dirs: list[str]) -> list[dict]:
+    """The interpreter's binds (nothing of a prefix is bound as a directory): the base prefix as its image
+    (:func:`tracekit.coding.runtime.interpreter_image`: the executable, its shared libraries, the standard library;
+    ``host``: the prefix it stands for); a venv's ``pyvenv.cfg`` and the ``python*`` of its ``bin``, file by file.
+    A prefix inside a system directory (a system Python in /usr) is shown by that directory; the Nix store is bound
+    as it is."""
+    out: list[dict] = []
+    image_prefix = runtime.interpreter_prefix()
+    for p in interpreter_paths():
+        real = _real(p)
+        if any(_inside(real, d) for d in system_dirs):
+            continue
+        if real == "/nix/store":
+            out.append(_bind(real, p, False))
+        elif real == image_prefix:
+            image = str(runtime.interpreter_image(work_root()))
+            out += [{**_bind(image, t, False), "host": real} for t in _targets(p)]
+        else:  # a venv (or another prefix): what starts its interpreter
+            cfg = os.path.join(p, "pyvenv.cfg")
+            files = [cfg] if os.path.isfile(cfg) else []
+            bindir = os.path.join(p, "bin")
+            if os.path.isdir(bindir):
+                files += [os.path.join(bindir, n) for n in sorted(os.listdir(bindir))
+                          if n.startswith("python") and os.path.isfile(os.path.join(bindir, n))
+                          and os.access(os.path.join(bindir, n), os.X_OK)]
+            out += [_bind(_real(f), f, False) for f in files]  # (a link's target, bound as a file: /tmp is a tmpfs)
+    return out
 
 
 def view(cwd: Path, limits: CommandLimits, read_only=(), writable=(), hide: tuple[str, ...] = (),
-         probe: bool = False) -> tuple[list[dict], list[list[str]]]:
+         probe: bool = False, protected=()) -> tuple[list[dict], list[list[str]]]:
     """(mounts in the order the jail makes them, symlinks) for a command in ``cwd``; ``hide``: distributions whose
     every copy is covered (a task's package, :mod:`tracekit.coding.runtime`). :class:`CacheExposed` when a tracekit
     cache or root lies inside a directory bound for every command (not for ``probe``: tracekit's own command that
@@ -514,6 +555,10 @@ def view(cwd: Path, limits: CommandLimits, read_only=(), writable=(), hide: tupl
             links.append([p, os.readlink(p)])
         elif os.path.exists(p):
             mounts.append(_bind(_real(p), p, False))
+    for name in USR_SHARE_KEPT:
+        p = f"/usr/share/{name}"
+        if os.path.isfile(p):
+            mounts.append(_bind(_real(p), p, False))
     for name in DEVICES:
         if os.path.exists(f"/dev/{name}"):
             mounts.append(_bind(f"/dev/{name}", f"/dev/{name}", True, dev=True))
@@ -523,23 +568,29 @@ def view(cwd: Path, limits: CommandLimits, read_only=(), writable=(), hide: tupl
         links.append([f"{SHIM_DIR}/python", sys.executable])
     tmp_size = limits.disk_bytes
     mounts += [_tmpfs("/tmp", tmp_size), _tmpfs("/var/tmp", tmp_size), _tmpfs("/dev/shm", tmp_size)]
-    prefixes = [_bind(_real(p), t, False) for p in interpreter_paths() for t in _targets(p)]
+    system_dirs = [m["src"] for m in mounts if m["kind"] == "bind" and not m.get("dev")]
+    prefixes = _interpreter_view(system_dirs)
     system = [m for m in mounts if m["kind"] == "bind" and not m.get("dev")] + prefixes  # bound for every command
     extra = [_bind(_real(p), t, False) for p in map(str, read_only) for t in _targets(p)]  # the caller's
     mounts += prefixes + extra
-    # the interpreter's site directories, wherever a bind shows them: the task runtime instead (nothing installed
-    # but what a test run needs; never the package a task was made from)
+    # the interpreter's site directories, wherever a bind shows them or in its prefixes: the task runtime instead
+    # (nothing installed but what a test run needs; never the package a task was made from)
     hide = tuple(sorted({runtime.normalize(h) for h in hide}))
     rt = runtime.runtime_dir(work_root(), hide)
-    replaced = []
+    at = set()
+    own = [_real(p) for p in interpreter_paths()]
     for s in runtime.site_dirs():
-        for m in system + extra:
-            if _inside(s, m["src"]):
-                replaced.append(_bind(_real(rt), _at(m, s), False))
+        at |= {_at(m, s, m.get("host", m["src"])) for m in system + extra if _inside(s, m.get("host", m["src"]))}
+        if any(_inside(s, p) for p in own):
+            at.add(s)
+    replaced = [_bind(_real(rt), t, False) for t in sorted(at)]
     mounts += replaced
     for p in [cwd, *writable]:
         for t in _targets(p):
             mounts.append(_bind(_real(p), t, True))
+    for p in protected:  # read-only over the writable copy (the task's own files: never scanned, never masked)
+        for t in _targets(p):
+            mounts.append({**_bind(_real(p), t, False), "own": True})
     binds = [m for m in mounts if m["kind"] == "bind" and not m.get("dev")]
     if not probe:  # a cache or root where every command sees it: refused, not covered (it may be anywhere in it)
         problem = _exposed([(label, p) for label, p in known_caches() if os.path.exists(p)],
@@ -581,7 +632,7 @@ def _scan_masks(mounts: list[dict], hide: tuple[str, ...], secrets: list[str]) -
     """Masks over every copy of a hidden distribution in the read-only binds (:func:`tracekit.coding.runtime.scan`);
     :class:`CacheExposed` for a task cache met there (one not covered already)."""
     fp = runtime.fingerprint(hide)
-    ro = [m for m in mounts if m["kind"] == "bind" and not m["rw"] and not m.get("dev")]
+    ro = [m for m in mounts if m["kind"] == "bind" and not m["rw"] and not m.get("dev") and not m.get("own")]
     host_points = [p for _, p, _, _ in _mounts()]
     empty = None
     out: list[dict] = []
@@ -731,8 +782,8 @@ def _truncate(text: str, limit: int) -> tuple[str, bool]:
 
 
 def _spec(cwd: Path, limits: CommandLimits, read_only, writable, acc: Accounting, cgroups: list[str],
-          status_fd: int, hide: tuple[str, ...] = (), probe: bool = False) -> dict:
-    mounts, links = view(cwd, limits, read_only, writable, hide, probe)
+          status_fd: int, hide: tuple[str, ...] = (), probe: bool = False, protected=()) -> dict:
+    mounts, links = view(cwd, limits, read_only, writable, hide, probe, protected)
     root = mode() == "root"
     watch: dict = {}
     if acc.name == "watchdog":
@@ -776,11 +827,12 @@ def _read_status(fd: int) -> list[str]:
 
 
 def _jail_run(argv: list[str], cwd: Path, limits: CommandLimits, env: dict[str, str] | None, read_only, writable,
-              hide: tuple[str, ...] = (), probe: bool = False) -> tuple[int | None, bytes, list[str], float]:
+              hide: tuple[str, ...] = (), probe: bool = False, protected=(),
+              pass_fds: tuple[int, ...] = ()) -> tuple[int | None, bytes, list[str], float]:
     """(exit status or None at the wall limit, raw output, events, wall seconds); JailUnavailable if it cannot
     start (CacheExposed: a cache or root where the command would see it)."""
     acc = accounting()
-    spec = _spec(cwd, limits, read_only, writable, acc, [], -1, hide, probe)  # may refuse: nothing made yet
+    spec = _spec(cwd, limits, read_only, writable, acc, [], -1, hide, probe, protected)  # may refuse: nothing made
     cgroups = acc.create(limits) if acc.dirs else []
     r, w = os.pipe()
     spec["cgroup_procs"] = [os.path.join(d, "cgroup.procs") for d in cgroups]
@@ -791,7 +843,7 @@ def _jail_run(argv: list[str], cwd: Path, limits: CommandLimits, env: dict[str, 
         t0 = time.monotonic()
         with tempfile.TemporaryFile() as out:
             proc = subprocess.Popen(full, cwd="/", stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=scrubbed_env(env), start_new_session=True, pass_fds=(w,))
+                                    env=scrubbed_env(env), start_new_session=True, pass_fds=(w, *pass_fds))
             os.close(w)
             w = -1
             try:
@@ -873,10 +925,11 @@ def isolation() -> dict[str, str]:
     root = mode() == "root"
     return {
         "mode": mode(), "accounting": acc.name, "accounting_why": acc.why,
-        "view": ("empty tmpfs root: read-only /usr, /lib*, loader files of /etc, the interpreter prefix(es) "
-                 f"{', '.join(interpreter_paths())} with the task runtime (pytest and its requirements) over their "
-                 "site directories, every copy of the task's package covered; writable: the task copy; fresh /proc, "
-                 "/tmp; nothing else"),
+        "view": ("allow-list on an empty tmpfs root: read-only /usr/bin, /usr/sbin, /usr/lib*, /usr/libexec, "
+                 "loader files of /etc, the interpreter's image (executable, shared libraries, standard library) at "
+                 f"{', '.join(interpreter_paths())} with the task runtime (pytest and its requirements) at its site "
+                 "directories, every copy of the task's package the scan recognises covered; writable: the task "
+                 "copy; fresh /proc, /tmp; nothing else"),
         "cpu": "RLIMIT_CPU", "wall": "deadline + SIGKILL of the PID namespace", **acc.describe(),
         "disk": ("the task copy is a tmpfs of its size + disk_bytes (per episode)" if root else
                  "watchdog: the writable paths' size polled, killed over the copy's size + disk_bytes"),
@@ -888,18 +941,22 @@ def isolation() -> dict[str, str]:
 
 def run(command: str | list[str], cwd: Path, limits: CommandLimits = CommandLimits(),
         env: dict[str, str] | None = None, read_only: tuple[Path, ...] = (),
-        writable: tuple[Path, ...] = (), hide: tuple[str, ...] = ()) -> CommandResult:
+        writable: tuple[Path, ...] = (), hide: tuple[str, ...] = (), protected: tuple[Path, ...] = (),
+        pass_fds: tuple[int, ...] = ()) -> CommandResult:
     """Run ``command`` (a bash command line, or an argv) in ``cwd`` under ``limits``; never raises for what the
     command does (only for a missing ``cwd`` and :class:`JailUnavailable`, :class:`CacheExposed` among them).
     ``read_only``: paths the command must also see (tracekit's pytest plugin); ``writable``: directories it may
     also write (a results directory); ``hide``: distributions no copy of which it may see (the package its task
-    was made from: :mod:`tracekit.coding.runtime`)."""
+    was made from: :mod:`tracekit.coding.runtime`); ``protected``: paths inside ``cwd`` the command sees read-only
+    (a test run's test directories: they can be neither written nor renamed, being mount points); ``pass_fds``:
+    file descriptors of the caller the command inherits at the same numbers (a test run's report channel)."""
     cwd = Path(cwd)
     if not cwd.is_dir():
         raise FileNotFoundError(f"no working directory {cwd}")
     require_jail()
     argv = ["bash", "--noprofile", "--norc", "-c", command] if isinstance(command, str) else list(command)
-    rc, raw, events, wall = _jail_run(argv, cwd, limits, env, read_only, writable, tuple(hide))
+    rc, raw, events, wall = _jail_run(argv, cwd, limits, env, read_only, writable, tuple(hide),
+                                      protected=tuple(protected), pass_fds=tuple(pass_fds))
     text = raw.decode("utf-8", "replace")
     if rc is not None:
         if rc < 0:  # the jail itself died of a signal: report it as a shell would
