@@ -114,6 +114,27 @@ def test_empty_submit_and_escapes_score_zero_and_are_recorded(taskset):
     assert o.info["sandbox_events"] == {"wall_time": 1} and o.info["prediction"]["model_patch"] == ""
 
 
+def test_r1_and_r2_through_an_episode_score_zero_as_tampering_with_the_conftest_dropped(taskset):
+    """Issue 49's two forgeries, made by the agent's bash calls in its copy: a new conftest.py whose makereport
+    hook marks every test passed (dropped, recorded), and an atexit hook in the package that rewrites
+    $TRACEKIT_REPORT to all-passed (the run is tampering, recorded). The bug stays: reward 0."""
+    suite = CodingSuite("coding_toolz", taskset, split=taskset.tasks[0].split)
+    ep = suite.episode(suite.tasks()[0])
+    ep.reset()
+    conftest = ("import pytest\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+                "    r = (yield).get_result()\n    r.outcome = 'passed'\n")
+    atexit = ("import atexit, os, json\natexit.register(lambda: open(os.environ['TRACEKIT_REPORT'], 'w')"
+              ".write(json.dumps({'tests': {}})))\n")
+    ep.step(_call("bash", command=f"cat > conftest.py <<'EOF'\n{conftest}EOF\ncat >> toolz/__init__.py <<'EOF'\n"
+                                   f"{atexit}EOF\n"))
+    ep.step(_call("submit"))
+    o = ep.outcome()
+    assert (o.reward, o.success, o.info["status"]) == (0.0, False, "tampering"), o.info["tests"]
+    assert o.info["tests"]["dropped"] == ["conftest.py: a new file"], o.info["tests"]
+    assert any("TRACEKIT_REPORT" in t for t in o.info["tests"]["tampering"]), o.info["tests"]
+    assert "+++ b/conftest.py" in o.info["prediction"]["model_patch"]  # the prediction is the agent's whole patch
+
+
 def test_swe_rl_reward_in_the_suite(taskset):
     suite = CodingSuite("coding_toolz", taskset, split=taskset.tasks[0].split, reward="swe_rl")
     task = suite.tasks()[0]
@@ -200,7 +221,8 @@ def test_default_generation_gold_scores_one_and_empty_zero_on_every_task(tmp_pat
     assert not {t.entity for t in ts.split("train")} & {t.entity for t in ts.split("test")}
     for t in ts.tasks:
         tree = ts.buggy_tree(t)
-        assert rw.evaluate_patch(t, tree, t.patch, LIMITS).reward == 1.0, t.instance_id
+        v = rw.evaluate_patch(t, tree, t.patch, LIMITS)
+        assert (v.reward, v.status, v.dropped, v.tampering) == (1.0, "resolved", [], []), (t.instance_id, v)
         assert rw.evaluate_patch(t, tree, "", LIMITS).reward == 0.0
 
 

@@ -139,8 +139,10 @@ class CodingEpisode(Episode):
 
 
 def _verdict_info(v: PatchVerdict) -> dict[str, Any]:
+    """The verdict as the episode records it: what the patch changed that the reward did not take (``dropped``)
+    and why the run was not trusted (``tampering``) included."""
     return {"status": v.status, "fail_to_pass": v.fail_to_pass, "pass_to_pass_failed": v.pass_to_pass_failed[:20],
-            "detail": v.detail[-400:], "wall_s": v.wall_s}
+            "detail": v.detail[-400:], "wall_s": v.wall_s, "dropped": v.dropped[:50], "tampering": v.tampering[:20]}
 
 
 class CodingSuite(EnvSuite):
