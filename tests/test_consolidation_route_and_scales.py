@@ -255,3 +255,15 @@ def test_a_reproduced_consolidation_table_pairs_each_row_against_base_single_and
     assert rows["vs_trace"]["TRACE (turn routing)"]["fixed"] == 1
     assert "other backbone" not in paired  # a block without rows to pair against keeps to itself
     assert "Paired vs Single Capability GRPO" in text
+
+
+def test_the_classifier_prompt_fits_the_backbones_context(dirs, tok):
+    model = _route_model(dirs, tok)
+    encode = lambda m, t: encode_prompt(tok, m, t)  # noqa: E731
+    spec = {"descriptions": {"cap0": "refuses locked items", "cap1": "finishes every write"}, "top_p": 0.9,
+            "retrieve_k": 2, "corpus": []}
+    router = TaskRouter(model, encode, tok, 0, spec, torch.zeros(0, model.config.hidden_size))
+    long = [("cap0", "find(x); " * 400), ("cap1", "write(y); " * 400)]
+    assert len(encode(router.prompt("do it " * 50, long), None)) > model.config.max_position_embeddings
+    ids = router.fitted_prompt("do it " * 50, long)
+    assert len(ids) <= model.config.max_position_embeddings

@@ -114,8 +114,10 @@ class TaskRouter:
         return out.hidden_states[-1].float().cpu(), attn, out.logits[torch.arange(len(prompts)), last].float().cpu()
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
-        """Unit-norm mean-pooled last hidden states [B, d] of each text as one user message."""
-        hidden, attn, _ = self._forward([self.encode([Message(role="user", content=t)], None) for t in texts])
+        """Unit-norm mean-pooled last hidden states [B, d] of each text as one user message (its first
+        ``max_position_embeddings`` tokens)."""
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 10**9
+        hidden, attn, _ = self._forward([self.encode([Message(role="user", content=t)], None)[:limit] for t in texts])
         m = attn.unsqueeze(-1).float()
         return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
 
@@ -127,6 +129,22 @@ class TaskRouter:
         system = ("Pick the capability the task below needs most. Options:\n" + "\n".join(options)
                   + "\nAnswer with the option's letter only.")
         return [Message(role="system", content=system), Message(role="user", content=task)]
+
+    def fitted_prompt(self, task: str, candidates: list[tuple[str, str]]) -> list[int]:
+        """The classifier prompt's ids within the backbone's context (``max_position_embeddings``): the examples, then
+        the task, cut by half until it fits (a small world model's context is a few hundred tokens)."""
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 10**9
+        ids = self.encode(self.prompt(task, candidates), None)
+        while len(ids) > limit and any(example for _, example in candidates):
+            candidates = [(name, example[: len(example) // 2]) for name, example in candidates]
+            ids = self.encode(self.prompt(task, candidates), None)
+        while len(ids) > limit and task:
+            task = task[: len(task) // 2]
+            ids = self.encode(self.prompt(task, candidates), None)
+        if len(ids) > limit:
+            raise ValueError(f"the task router's prompt needs {len(ids)} tokens with no example and no task: over the "
+                             f"backbone's {limit}")
+        return ids
 
     def decide(self, prompts: list[tuple[list[Any], Any]]) -> torch.Tensor:
         """Slot weights [B, S] (slot 0: the base) for each episode opening ``(messages, tools)``."""
@@ -140,7 +158,7 @@ class TaskRouter:
             for j in ranked:  # each capability once, with its best-ranked example
                 candidates.setdefault(self.corpus[j]["capability"], self.corpus[j]["example"])
             cands = list(candidates.items())
-            _, _, logits = self._forward([self.encode(self.prompt(task, cands), None)])
+            _, _, logits = self._forward([self.fitted_prompt(task, cands)])
             pi = torch.softmax(logits[0, self.labels[: len(cands) + 1]], -1)
             w = torch.zeros(len(slots))
             if int(pi.argmax()) == len(cands):  # "no adapter" most probable: the base model, unmodified
