@@ -151,8 +151,23 @@ def test_a_root_under_a_bound_dir_is_refused_before_hydra_makes_the_run_dir(monk
     why = exposed_root_problem(["benchmark=coding_toolz", "stages=[rollout]", "logger=none"])
     assert why is not None and f"{refused} (paths.root_dir) lies inside /usr" in why
     assert exposed_root_problem(["experiment=micro", "stages=[rollout]"]) is None
-    assert exposed_root_problem(["-m", "benchmark=coding_toolz"]) is None  # the sweep callback validates each job
+    why = exposed_root_problem(["-m", "benchmark=coding_toolz", "stages=[rollout]", "seed=0,1"])  # the first point
+    assert why is not None and f"{refused} (paths.root_dir) lies inside /usr" in why
     assert not Path(refused).exists()
+
+
+def test_a_coding_config_whose_paths_resolve_only_in_the_app_passes_the_sweep_callbacks_validation(make_cfg):
+    """The sweep callback validates each job before Hydra's runtime exists (paths.root_dir holds ${hydra:...}): the
+    coding target checks its paths when the job starts instead of refusing every job."""
+    from tracekit.coding.sandbox import jail_problem
+    from tracekit.targets import target_of
+
+    if jail_problem():
+        pytest.skip(f"the coding target refuses this machine first: {jail_problem()}")
+    cfg = make_cfg("benchmark=coding_toolz")
+    cfg.paths.root_dir = "${hydra:runtime.cwd}"
+    cfg.paths.cache_dir = "${paths.root_dir}/outputs/cache"
+    target_of(cfg).validate(cfg)
 
 
 # -- a disk that fills while train writes a checkpoint or an adapter -----------------------------------------------

@@ -497,19 +497,28 @@ def argument_problem(args: list[str]) -> str | None:
 def exposed_root_problem(args: list[str]) -> str | None:
     """Why the config refuses a run whose root lies inside a directory the coding jail binds into every command
     (the coding target refuses such a root: an agent could read the cache there), found by composing and validating
-    it before Hydra makes the run dir in it; None for any other root or target (and for a multirun, whose jobs'
-    configs the sweep callback validates)."""
+    it before Hydra makes the run dir (or a multirun's sweep dir) in it, a multirun as its first sweep point; None
+    for any other root or target."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     from tracekit.coding.sandbox import system_binds
 
     found = run_root(args)
-    if found is None or {"-m", "--multirun"} & set(args):
+    if found is None:
         return None
     root = os.path.realpath(found[0])
     if not any(root == b or root.startswith(b.rstrip("/") + "/") for b in system_binds()):
         return None
     own_root = any(a.lstrip("+").startswith("paths.root_dir=") for a in args)
     try:
-        compose_config([*args, *([] if own_root else [f"paths.root_dir={found[0]}"])])
+        parser, overrides = OverridesParser.create(), []
+        for a in args:
+            if a.startswith("-"):
+                continue
+            o = parser.parse_override(a)
+            overrides.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
+                             if o.is_sweep_override() else a)
+        compose_config([*overrides, *([] if own_root else [f"paths.root_dir={found[0]}"])])
     except ConfigError as e:
         return str(e)
     except Exception:  # noqa: BLE001 - an override Hydra refuses: its own one line comes from Hydra's phase

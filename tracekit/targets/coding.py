@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from tracekit.agents import GoldAgent
 from tracekit.coding.config import CodingSettings, build_suite, check, command_limits
@@ -31,10 +32,15 @@ class CodingTarget(Target):
 
     def validate(self, cfg: DictConfig) -> None:
         # a cache or root the jail would show every command (gold patches, hidden tests) is refused before any stage
-        # writes there (the task generator registers the cache again when it runs)
+        # writes there (the task generator registers the cache again when it runs). Paths resolve only in Hydra's
+        # app (a sweep's jobs are validated before: their paths are checked when each job starts)
         for key in ("paths.cache_dir", "paths.root_dir"):
             try:
-                register_cache(OmegaConf.select(cfg, key), key)
+                path = OmegaConf.select(cfg, key)
+            except InterpolationResolutionError:
+                continue
+            try:
+                register_cache(path, key)
             except CacheExposed as e:
                 raise ConfigError(str(e)) from None
         for key, value, valid in check(cfg.benchmark):
