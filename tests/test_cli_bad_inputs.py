@@ -134,7 +134,8 @@ def _bound_dir() -> str:
 def test_a_coding_run_with_its_cache_or_root_under_a_bound_dir_is_refused_naming_the_key(make_cfg, key):
     refused = _bound_dir()
     cfg = make_cfg("benchmark=coding_toolz", f"{key}={refused}")
-    with pytest.raises(ConfigError, match=rf"^coding sandbox: refused: the tracekit cache or root {refused} \({key}\) "
+    shown = refused if key == "paths.cache_dir" else f"{refused}/outputs"  # a root: the outputs its runs write
+    with pytest.raises(ConfigError, match=rf"^coding sandbox: refused: the tracekit cache or root {shown} \({key}\) "
                                           "lies inside /usr"):
         validate(cfg)
     assert not Path(refused).exists()
@@ -149,10 +150,10 @@ def test_a_root_under_a_bound_dir_is_refused_before_hydra_makes_the_run_dir(monk
     monkeypatch.setenv("TRACEKIT_ROOT", refused)
     monkeypatch.setenv("TRACEKIT_CACHE", str(Path(__file__).parent / "no-such-cache-dir"))
     why = exposed_root_problem(["benchmark=coding_toolz", "stages=[rollout]", "logger=none"])
-    assert why is not None and f"{refused} (paths.root_dir) lies inside /usr" in why
+    assert why is not None and f"{refused}/outputs (paths.root_dir) lies inside /usr" in why
     assert exposed_root_problem(["experiment=micro", "stages=[rollout]"]) is None
     why = exposed_root_problem(["-m", "benchmark=coding_toolz", "stages=[rollout]", "seed=0,1"])  # the first point
-    assert why is not None and f"{refused} (paths.root_dir) lies inside /usr" in why
+    assert why is not None and f"{refused}/outputs (paths.root_dir) lies inside /usr" in why
     assert not Path(refused).exists()
 
 

@@ -6,6 +6,7 @@ minimal edit, test before submit); the capability library family ``coding`` (``s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -34,13 +35,13 @@ class CodingTarget(Target):
         # a cache or root the jail would show every command (gold patches, hidden tests) is refused before any stage
         # writes there (the task generator registers the cache again when it runs). Paths resolve only in Hydra's
         # app (a sweep's jobs are validated before: their paths are checked when each job starts)
-        for key in ("paths.cache_dir", "paths.root_dir"):
+        for key, under in (("paths.cache_dir", ""), ("paths.root_dir", "outputs")):  # a root: where runs write
             try:
                 path = OmegaConf.select(cfg, key)
             except InterpolationResolutionError:
                 continue
             try:
-                register_cache(path, key)
+                register_cache(os.path.join(path, under), key)
             except CacheExposed as e:
                 raise ConfigError(str(e)) from None
         for key, value, valid in check(cfg.benchmark):
@@ -63,9 +64,6 @@ class CodingTarget(Target):
                     seed_offset: int) -> Any:
         """``cache_dir``: where the generated tasks are cached (default ``$TRACEKIT_CACHE`` or ``outputs/cache`` under
         ``$TRACEKIT_ROOT`` / the working directory, as ``paths.cache_dir``)."""
-        import os
-
-
         root = cache_dir or os.environ.get("TRACEKIT_CACHE") or os.path.join(
             os.environ.get("TRACEKIT_ROOT", os.getcwd()), "outputs", "cache")
         return coding_suite(cfg.benchmark, root, split="train", reward=spec.get("reward", "tests"),
