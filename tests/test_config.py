@@ -135,6 +135,7 @@ def _scalar_types(hint) -> set:
 # strings with no fixed set of values: names, ids, paths, URLs, module names
 FREE_TEXT = {"benchmark.name", "benchmark.task_ids", "backbone.name", "backbone.hf_id", "user.endpoint",
              "analysis.dictionary_path", "analysis.labels_from", "analysis.endpoint", "synthesis.endpoint",
+             "synthesis.chains",  # "<capability>+<capability>": capabilities are the selection's (generated ones too)
              "grpo.lora.target_modules",
              "grpo.lora.target_parameters", "llm.endpoints.*.base_url", "llm.endpoints.*.model",
              "llm.endpoints.*.api_key_env", "logger.project", "logger.entity", "paths.root_dir", "paths.cache_dir",
