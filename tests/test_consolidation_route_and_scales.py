@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from tracekit.config import ConfigError
 from tracekit.llm.tools import encode_prompt
