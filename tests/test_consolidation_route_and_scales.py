@@ -266,3 +266,23 @@ def test_the_classifier_prompt_fits_the_backbones_context(dirs, tok):
     assert len(encode(router.prompt("do it " * 50, long), None)) > model.config.max_position_embeddings
     ids = router.fitted_prompt("do it " * 50, long)
     assert len(ids) <= model.config.max_position_embeddings
+
+
+def test_a_merge_without_a_search_composes_in_its_stages_view(make_cfg, tmp_path, dirs, monkeypatch):
+    """The compose stage's view masks consolidation.lam_search while no scale is searched: the merge reads it as off."""
+    from tracekit.methods.consolidate.base import search_scales
+    from tracekit.pipeline import read_view
+
+    cfg = make_cfg("experiment=smoke", "consolidation=merge_linear")
+    view = read_view(cfg, compose_reads(cfg))
+    assert search_scales(view) is None and search_scales(cfg) is None
+    adapters = {c: SimpleNamespace(path=d.parent / f"{d.name}_view") for c, d in dirs.items()}
+    for c, d in dirs.items():
+        adapters[c].path.mkdir(exist_ok=True)
+        if not (adapters[c].path / "adapter").exists():
+            (adapters[c].path / "adapter").symlink_to(d)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(merge_module, "adapters_budget", lambda adapters: merge_module.Budget())
+    result = STRATEGIES["merge_linear"].consolidate(SimpleNamespace(cfg=view, seed=0, work_dir=work, inputs={}), adapters)
+    assert result.label is None and (work / "adapter" / "adapter_model.safetensors").is_file()

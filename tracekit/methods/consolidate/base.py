@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from omegaconf import DictConfig
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import _check, read_pinned_dictionary
@@ -50,8 +52,6 @@ class ConsolidationSettings:
 
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
     from tracekit.pipeline import StageContext
 
 CONSOLIDATED = "consolidated.json"
@@ -89,7 +89,7 @@ class Strategy(ABC):
     def validate(self, cfg: DictConfig) -> None:
         """Refuse settings this strategy cannot run with (``ConfigError``, one line) before any work. Every strategy
         but the merges refuses a merge-scale search (it has no scale)."""
-        scales = cfg.consolidation.lam_search.scales
+        scales = search_scales(cfg)
         _check(scales is None, "consolidation.lam_search.scales", None if scales is None else list(scales),
                f"null with consolidation={self.name} (only the merges take a scale)")
 
@@ -105,6 +105,17 @@ class Strategy(ABC):
         ctx.record.section(f"Consolidation: {c['label']}", (
             f"`consolidation={c['strategy']}` -> one {c['kind']} policy; budget: {b['episodes']:,} episodes, "
             f"{b['generated_tokens']:,} generated tokens, {b['optimizer_steps']:,} optimizer steps.{notes}"))
+
+
+def search_scales(cfg: DictConfig) -> list[float] | None:
+    """``consolidation.lam_search.scales``; None where the compose stage's view masks the group (it reads it only while
+    the scales are set). One level at a time: a masked group reads as a string, not a node."""
+    node: Any = cfg
+    for part in ("consolidation", "lam_search", "scales"):
+        if not isinstance(node, DictConfig):
+            return None
+        node = node.get(part)
+    return None if node is None else [float(v) for v in node]
 
 
 def dictionary_size(cfg: DictConfig) -> int | None:

@@ -32,7 +32,7 @@ from tracekit.config import _check
 from tracekit.merging.core_space import RANK_POLICIES, core_tsv_merge
 from tracekit.merging.lora_io import LoraFactors, read_adapter_config, read_lora_adapter, write_lora_adapter
 from tracekit.merging.merges import MAJORITY_SIGNS, merge_cat, merge_dare_ties, merge_linear, merge_ties
-from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
+from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget, search_scales
 from tracekit.methods.consolidate.gate_objectives import MEASURE_READS, rollout_reward
 from tracekit.policy import Budget
 from tracekit.runs import ready_capabilities
@@ -82,13 +82,13 @@ class Merge(Strategy):
         self.mount = "merge" if settings is MergeConfig else "core_tsv"
 
     def reads(self, cfg):
-        if cfg.consolidation.lam_search.scales is None:  # the merge's own lam: the keys as before issue 53
+        if search_scales(cfg) is None:  # the merge's own lam: the keys as before issue 53
             return (f"consolidation.{self.mount}",)
         return (f"consolidation.{self.mount}", "consolidation.lam_search", *MEASURE_READS)
 
     def stage_inputs(self, cfg):
         # a scale search rolls the merged adapters out in the capability environments
-        return () if cfg.consolidation.lam_search.scales is None else ("synthesize",)
+        return () if search_scales(cfg) is None else ("synthesize",)
 
     def validate(self, cfg) -> None:
         s = cfg.consolidation.lam_search
@@ -108,12 +108,13 @@ class Merge(Strategy):
         factors = {cap: read_lora_adapter(a.path / "adapter") for cap, a in adapters.items()}
         settings = ctx.cfg.consolidation[self.mount]
         base_config = read_adapter_config(next(iter(adapters.values())).path / "adapter")
-        search = ctx.cfg.consolidation.lam_search
+        scales = search_scales(ctx.cfg)
         label, notes = None, []
-        if search.scales is None:
+        if scales is None:
             merged = self._merge(factors, settings, ctx.seed)
             write_lora_adapter(out, merged, base_config=base_config)
         else:
+            search = ctx.cfg.consolidation.lam_search
             lam, scores, episodes = self._search(ctx, factors, settings, base_config, [float(v) for v in search.scales],
                                                  int(search.validation_seeds))
             merged = self._merge(factors, _with_lam(settings, lam), ctx.seed)
