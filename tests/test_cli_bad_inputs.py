@@ -27,6 +27,10 @@ MICRO = ("experiment=micro",)
     (("+backbone.planted.init_seed=-5",), "backbone.planted.init_seed=-5 is invalid: must be >= 0"),
     (("backbone.planted.weak_correct=abc",), "backbone.planted.weak_correct='abc' is invalid: must be a fraction"),
     (("backbone.planted.demos_strong=many",), "backbone.planted.demos_strong='many' is invalid: must be an integer"),
+    (("backbone.planted.demos_weak=abc",), "backbone.planted.demos_weak='abc' is invalid: must be an integer >= 0"),
+    (("backbone.planted.difficulty=5",), "backbone.planted.difficulty=5 is invalid: must be a level every planted "
+                                         "environment has ([0, 1])"),
+    (("backbone.arch.vocab_size=abc",), "backbone.arch.vocab_size='abc' is invalid: must be an integer >= 259 "),
     (("backbone.arch.vocab_size=100",), "backbone.arch.vocab_size=100 is invalid: must be an integer >= 259 "),
     (("synthesis.acceptance=official", "synthesis.target_low=0.97", "synthesis.target_high=1.0"),
      "synthesis.target_low=0.97 is invalid: must be <= 0.950 with synthesis.acceptance=official"),

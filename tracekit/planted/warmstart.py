@@ -125,6 +125,11 @@ class PlantedSpec:
                 if cap not in known:
                     raise ValueError(f"backbone.planted.{group}: the library has no environment for capability "
                                      f"{cap!r} (library capabilities on {self.family}: {', '.join(sorted(known))})")
+        envs = [known[cap] for cap in (*self.strong, *self.weak)]
+        levels = sorted(set.intersection(*(set(library_env(env).difficulty_levels) for env in envs))) if envs else []
+        if envs and self.difficulty not in levels:
+            raise ValueError(f"backbone.planted.difficulty={self.difficulty!r} is invalid: must be a level every planted "
+                             f"environment has ({levels})")
         if not self.weak:
             raise ValueError("backbone.planted.weak is empty: the planted set needs at least one capability")
         both = sorted(set(self.strong) & set(self.weak))
