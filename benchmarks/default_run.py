@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": round(seconds + (record["install"] or {"seconds": 0})["seconds"], 1),
         "peak_rss_gb": {"tree": round(sampler.peak_tree / 2**30, 2), "largest_process": round(sampler.peak_one / 2**30, 2)},
         "load_during": {"mean": round(sum(sampler.loads) / max(1, len(sampler.loads)), 2),
-                        "max": max(sampler.loads, default=None), "samples": len(sampler.loads)},
+                        "max": round(max(sampler.loads), 2) if sampler.loads else None, "samples": len(sampler.loads)},
         "load_after": list(os.getloadavg()), "stages": stage_seconds(root)})
     log_tail = (a.out / "run.log").read_text().splitlines()[-3:]
     record["last_log_lines"] = log_tail
