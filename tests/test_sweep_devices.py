@@ -58,3 +58,19 @@ def test_host_devices_prefer_the_sweeps_own_list(monkeypatch):
     assert cli.host_devices() == ["4", "5", "6"]
     monkeypatch.delenv(cli.HOST_DEVICES_ENV)
     assert cli.host_devices() == ["5"]
+
+
+def test_a_sweep_whose_jobs_need_more_gpus_than_the_host_has_starts_none(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "host_devices", lambda: ["0", "1"])
+    config = OmegaConf.create({"launcher": {"nproc": 3}, "hydra": {"launcher": {"_target_": JOBLIB},
+                                                                   "sweeper": {"_target_": "x"}}})
+    with pytest.raises(SystemExit) as e:
+        cli.ValidateSweep().on_multirun_start(config)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tracekit: config error: launcher.nproc=3: each sweep job needs 3 GPUs and this host has 2")
+    monkeypatch.delenv(cli.HOST_DEVICES_ENV, raising=False)
+    config.launcher.nproc = 1  # fits: the jobs are told the sweep's devices
+    cli.ValidateSweep().on_multirun_start(config)
+    assert __import__("os").environ[cli.HOST_DEVICES_ENV] == "0,1"
+    monkeypatch.delenv(cli.HOST_DEVICES_ENV)
