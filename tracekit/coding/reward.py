@@ -21,16 +21,20 @@ RL on SWE tasks finds every hole in that trust: editing tests, conftest hooks, r
 3. **How the outcome comes back**: signed, numbered records on an inherited pipe whose key the reporter reads
    before any code of the tree is imported; the environment names only a decoy path. The reporter checks, after
    each test, that pytest's internals are those it snapshotted before the tree was imported (functions, classes,
-   code objects, hook implementations), that no trace or profile function is set, that the package's
-   ``sys.modules`` entries are files of the tree and each test ran from its own file.
+   code objects, hook implementations, the import system), that no trace or profile function is set, that the
+   package's ``sys.modules`` entries are files of the tree and each test ran, as collected, from its own file; an
+   audit hook (PEP 578: it cannot be removed) reports at once a write, rename or removal of a test file, a look at
+   ``/proc/self/fd``, ``gc.get_objects`` and the like, a replaced code object, a tracer in place.
 
 A run that shows any sign of tampering (a failed check, a forged, missing or trailing record, an exit status other
 than the reporter's, a write to the decoy, a test file changed) scores 0 with status ``tampering`` and the reasons
 in ``tampering``; it is never a ``tests_failed``.
 
-**What this does not defend against**: code of the tree that reads the interpreter's memory (the key lives in a
-closure of the reporter, the snapshot in its object: ``gc.get_objects()`` finds both) and then forges a complete
-signed record stream while restoring every patched object before each check; code that is a fix only on the test
+**What this does not defend against**: code of the tree that reaches into the reporter (it is a registered
+pytest plugin; the signing function is a closure over the key's pads, the snapshot and the audit hook's state are
+its attributes; ``ctypes`` reads any memory) and then forges a complete signed record stream, silencing every
+check and restoring every patched object before each one: the in-process attacker, which only a test run in a
+process the tree's code cannot touch would stop; code that is a fix only on the test
 inputs (special-casing the tests' values: that is a fix as far as any test can tell); and a patch that changes
 the package's source files in ways the tests do not exercise. The sandbox (:mod:`tracekit.coding.sandbox`) bounds
 what such code can reach: its own copy, no network, no host files but the allow-listed view.

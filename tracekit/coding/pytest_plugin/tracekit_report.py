@@ -107,8 +107,8 @@ class Reporter:
         gettrace, getprofile = sys.gettrace, sys.getprofile
 
         def hook(event, args):
-            if not self.armed or _getpid() != pid:
-                return
+            if event in ("builtins.id", "object.__getattr__") or not self.armed or _getpid() != pid:
+                return  # (the frequent ones first)
             what = None
             if event == "open" and args:
                 mode, flags = (args[1] or ""), (args[2] or 0)
@@ -170,32 +170,45 @@ class Reporter:
         return out
 
     @staticmethod
-    def _entries(mods: dict) -> dict:
-        """(label) -> identity of every callable, class, descriptor and code object the modules define."""
-        out = {}
+    def _watched(value) -> bool:
+        return callable(value) or isinstance(value, (type(sys), property, staticmethod, classmethod))
+
+    def _snapshot(self, mods: dict) -> tuple[list, list]:
+        """(entries, namespaces): ``(namespace, key, object, label)`` of every callable, class and descriptor the
+        modules and their classes define, and per namespace its size and watched keys (an addition changes the
+        size). A replaced code object is the audit hook's to report (reading ``__code__`` here is an audit event
+        per function per test)."""
+        entries, spaces, seen = [], [], set()
         for name, mod in mods.items():
-            out[f"sys.modules[{name}]"] = id(mod)
-            if mod is None:
-                continue
             try:
-                items = list(vars(mod).items())
+                ns = vars(mod)
             except TypeError:
                 continue
-            for attr, value in items:
-                if not (callable(value) or isinstance(value, (type(sys), property, staticmethod, classmethod))):
-                    continue
-                out[f"{name}.{attr}"] = id(value)
-                code = getattr(value, "__code__", None)
-                if code is not None:
-                    out[f"{name}.{attr}.__code__"] = id(code)
-                if isinstance(value, type) and getattr(value, "__module__", None) in mods:
-                    for cattr, cval in list(vars(value).items()):
-                        if callable(cval) or isinstance(cval, (property, staticmethod, classmethod)):
-                            out[f"{name}.{attr}.{cattr}"] = id(cval)
-                            ccode = getattr(cval, "__code__", None) or getattr(
-                                getattr(cval, "__func__", None), "__code__", None)
-                            if ccode is not None:
-                                out[f"{name}.{attr}.{cattr}.__code__"] = id(ccode)
+            keys = frozenset(k for k, v in list(ns.items()) if self._watched(v))
+            spaces.append((name, mod, ns, len(ns), keys))
+            entries += [(ns, k, ns[k], f"{name}.{k}") for k in keys]
+            for k in keys:
+                cls = ns[k]
+                if isinstance(cls, type) and cls.__module__ in mods and id(cls) not in seen:
+                    seen.add(id(cls))
+                    cns = cls.__dict__
+                    ckeys = frozenset(c for c, v in list(cns.items()) if self._watched(v))
+                    spaces.append((f"{name}.{k}", None, cns, len(cns), ckeys))
+                    entries += [(cns, c, cns[c], f"{name}.{k}.{c}") for c in ckeys]
+        return entries, spaces
+
+    def _snapshot_problems(self) -> list:
+        out = []
+        for ns, k, obj, label in self.snapshot:  # (``is``: ``id()`` is an audit event)
+            if ns.get(k) is not obj:
+                out.append(f"{label} changed since the session started")
+        for name, mod, ns, n, keys in self.spaces:
+            if mod is not None and sys.modules.get(name) is not mod:
+                out.append(f"sys.modules[{name!r}] replaced since the session started")
+            if len(ns) != n:
+                out += [f"{name}.{k} added to pytest's internals since the session started"
+                        for k, v in list(ns.items()) if k not in keys and self._watched(v)
+                        and not isinstance(v, type(sys))]
         return out
 
     def _hook_impls(self, pm) -> dict:
@@ -223,13 +236,7 @@ class Reporter:
     def check(self, where: str, item=None) -> None:
         problems = []
         if self.snapshot is not None:
-            now = self._entries({n: sys.modules.get(n) for n in self.snapshot_names})
-            for k, v in self.snapshot.items():
-                if now.get(k) != v:
-                    problems.append(f"{k} changed since the session started")
-            for k in now.keys() - self.snapshot.keys():
-                if not k.startswith("sys.modules["):
-                    problems.append(f"{k} added to pytest's internals since the session started")
+            problems += self._snapshot_problems()
             pm = self.config.pluginmanager
             hooks = self._hook_impls(pm)
             for k, v in self.hooks.items():
@@ -317,9 +324,7 @@ class Reporter:
         import _pytest.reports
 
         self.report_types = (_pytest.reports.TestReport, _pytest.reports.CollectReport)
-        mods = self._modules()
-        self.snapshot_names = tuple(mods)
-        self.snapshot = self._entries(mods)
+        self.snapshot, self.spaces = self._snapshot(self._modules())
         self.hooks = self._hook_impls(self.config.pluginmanager)
         self.importers = self._import_system()
         self.armed = True
