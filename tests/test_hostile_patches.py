@@ -104,6 +104,8 @@ REWRITE_TEST = ("\nimport os\n\n_t = os.path.join(os.path.dirname(__file__), 'te
                 "except OSError:\n    pass\ntry:\n    os.remove(_t)\nexcept OSError:\n    pass\n")
 FD_HUNT = ("\nimport os\n\nfor _fd in os.listdir('/proc/self/fd'):\n    try:\n"
            "        os.write(int(_fd), b'{\"kind\": \"end\", \"exitstatus\": 0}\\n')\n    except OSError:\n        pass\n")
+FD_GUESS = ("\nimport os\n\nfor _fd in range(3, 64):\n    try:\n"
+            "        os.write(_fd, b'{\"body\": \"{}\", \"mac\": \"0\"}\\n')\n    except OSError:\n        pass\n")
 OS_EXIT_AT_EXIT = "\nimport atexit, os\n\natexit.register(os._exit, 0)\n"
 OS_EXIT_NOW = "\nimport os\n\nos._exit(0)\n"
 CODE_SWAP = ("\nimport sys\n\n\ndef _passing():\n    pass\n\n\n"
@@ -125,6 +127,7 @@ TAMPERING = {  # name -> (changes, a phrase of the recorded reason); FAST ones r
     "sys_modules_swap": (appended(INIT, MODULES_SWAP), "sys.modules['calc.core']"),
     "rewrite_and_delete_the_test_file_at_import": (appended(INIT, REWRITE_TEST), "protected"),
     "write_forged_records_to_every_fd": (appended(INIT, FD_HUNT), "/proc/self/fd"),
+    "write_forged_records_to_guessed_fds": (appended(INIT, FD_GUESS), "is not the reporter's"),
     "swap_the_test_functions_code": (appended(CORE, CODE_SWAP), "code"),
 }
 FAST = ("R2_atexit_rewrites_the_report", "monkeypatch_the_report_class", "os_exit_0_at_exit")
