@@ -148,7 +148,6 @@ def _check_world_backbone(cfg: DictConfig, planted: PlantedSpec) -> None:
            "backbone.arch.vocab_size", vocab, f"an integer >= {MIN_WORLD_VOCAB} (backbone={cfg.backbone.name} trains "
            f"its {planted.family} world tokenizer: the 256 bytes and {MIN_WORLD_VOCAB - 256} special tokens, then "
            "merges)")
-    target_of(cfg).validate(cfg)  # its own checks (a difficulty level its environments have) before its suite is built
     # the world's episodes must fit the context the agent is given (eval.context_budget; GRPO's max_prompt_tokens)
     tokenizer = world_tokenizer(planted.family, spec.chat_format, vocab)
     suite = target_of(cfg).build_suite(cfg, None, lambda *_: None)
@@ -189,12 +188,12 @@ def _validate(cfg: DictConfig) -> None:
                "auto, 0 (in-process) or a positive integer (worker processes)")
     _check_backbone_name(cfg.backbone)
     t = cfg.thresholds
+    planted = None
     if cfg.backbone.get("planted") is not None:  # a planted set naming a capability the library lacks: one line
         try:
             planted = PlantedSpec.from_config(cfg.backbone.planted)
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e)) from None
-        _check_world_backbone(cfg, planted)
     if cfg.get("warm_start") is not None:  # a shipped warm start: its key and every file's sha256, one line
         verify_shipped(cfg.warm_start, cfg.backbone)
     check_built_on(cfg)
@@ -244,6 +243,8 @@ def _validate(cfg: DictConfig) -> None:
         _check(cfg.grpo.engine != "hf", "grpo.engine", "hf",
                "agent or vllm with launcher=deepspeed_zero3 and nproc > 1 (hf rollouts are not rank-synchronized)")
     target_of(cfg).validate(cfg)  # the target's own checks (tracekit/targets/<kind>.py: domains, environments, ...)
+    if planted is not None:  # after the cheap checks: it tokenizes the world's gold episodes (a world tokenizer)
+        _check_world_backbone(cfg, planted)
     if eval_benchmark(cfg) is not None:  # evaluation on another target (Table 8): that target's checks too
         target_of(evaluation_config(cfg)).validate(evaluation_config(cfg))
     _check(len(cfg.eval.seeds) >= 1, "eval.seeds", list(cfg.eval.seeds), "a non-empty list")
