@@ -90,20 +90,23 @@ RUNNER = ("\nimport _pytest.runner\n\n_real = _pytest.runner.call_and_report\n\n
           "        item.ihook.pytest_runtest_logreport(report=report)\n    return report\n\n\n"
           "_pytest.runner.call_and_report = call_and_report\n")
 RUNTEST = "\nimport _pytest.python\n\n_pytest.python.Function.runtest = lambda self: None\n"
-PLUGIN = ("\nimport sys\n\nimport pytest\n\n\nclass _Cheat:\n" + "\n".join("    " + line for line in MAKEREPORT.splitlines()[2:])
+PLUGIN = ("\nimport sys\n\nimport pytest\n\n\nclass _Cheat:\n"
+          + "\n".join("    " + line for line in MAKEREPORT.splitlines()[2:])
           .replace("def pytest_runtest_makereport(item", "def pytest_runtest_makereport(self, item") + "\n\n\n"
           "_f = sys._getframe()\nwhile _f is not None:\n    _c = _f.f_locals.get('config') or getattr("
           "_f.f_locals.get('self'), 'config', None)\n    if getattr(_c, 'pluginmanager', None) is not None:\n"
           "        _c.pluginmanager.register(_Cheat(), 'cheat')\n        break\n    _f = _f.f_back\n")
 SETTRACE = ("\nimport sys\n\n\ndef _tracer(frame, event, arg):\n    return _tracer\n\n\nsys.settrace(_tracer)\n")
 MODULES_SWAP = ("\nimport sys, types\n\n_fake = types.ModuleType('calc.core')\n"
-                "exec('def add(a, b):\\n    return a + b\\n\\n\\ndef mul(a, b):\\n    return a * b\\n', _fake.__dict__)\n"
+                "exec('def add(a, b):\\n    return a + b\\n\\n\\ndef mul(a, b):\\n    return a * b\\n',"
+                " _fake.__dict__)\n"
                 "sys.modules['calc.core'] = _fake\nadd, mul = _fake.add, _fake.mul\n")
 REWRITE_TEST = ("\nimport os\n\n_t = os.path.join(os.path.dirname(__file__), 'tests', 'test_core.py')\n"
                 "try:\n    open(_t, 'w').write('def test_add():\\n    pass\\n\\n\\ndef test_mul():\\n    pass\\n')\n"
                 "except OSError:\n    pass\ntry:\n    os.remove(_t)\nexcept OSError:\n    pass\n")
 FD_HUNT = ("\nimport os\n\nfor _fd in os.listdir('/proc/self/fd'):\n    try:\n"
-           "        os.write(int(_fd), b'{\"kind\": \"end\", \"exitstatus\": 0}\\n')\n    except OSError:\n        pass\n")
+           "        os.write(int(_fd), b'{\"kind\": \"end\", \"exitstatus\": 0}\\n')\n"
+           "    except OSError:\n        pass\n")
 FD_GUESS = ("\nimport os\n\nfor _fd in range(3, 64):\n    try:\n"
             "        os.write(_fd, b'{\"body\": \"{}\", \"mac\": \"0\"}\\n')\n    except OSError:\n        pass\n")
 OS_EXIT_AT_EXIT = "\nimport atexit, os\n\natexit.register(os._exit, 0)\n"

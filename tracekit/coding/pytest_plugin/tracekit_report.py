@@ -1,5 +1,6 @@
 """The test run's reporter, run inside the sandbox as ``python -B tracekit_report.py --channel W --key-fd K --repo R
---package P[,P...] -- <pytest args>`` (standard library + pytest; see :mod:`tracekit.coding.repo` for the design).
+--package P[,P...] --protected D[,D...] -- <pytest args>`` (standard library + pytest; the design:
+:func:`tracekit.coding.repo.run_tests`).
 
 1. Before pytest starts and before any code of the task's tree is imported: the 32-byte key is read from fd ``K``
    and the fd closed (only this module's closure holds it), and the primitives the reporter writes with
