@@ -7,7 +7,8 @@ chained environment runs environment A, then environment B, in one conversation:
 - the opening is A's: the system message holds A's policy (and B's, when it differs), the first user message A's
   request; the tools are the union of both environments' tools;
 - when A's part ends the way a finished task ends (the agent reports and the simulated user closes, or with no user
-  the agent stops), the user's closing reply is replaced by B's request and the conversation goes on in B's world;
+  the agent stops), B's request follows as the next user message and the conversation goes on in B's world (the
+  scripted user's closing reply is dropped; an LLM user's last words stay before it);
 - A's part cut off by its turn limit, or the chain's own limit (``max_turns``: both parts' by default), ends the
   episode;
 - each part is scored by its own verifier on its own part of the conversation; the reward is the product of the
