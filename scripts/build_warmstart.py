@@ -12,10 +12,12 @@ a folder whose key is not its config's planted key, or whose files differ from t
     python scripts/build_warmstart.py micro --check    # train it again; exit 1 unless every file is the same, bit for bit
     python scripts/build_warmstart.py micro --cache ~/.cache/tracekit   # build (or take) it in that cache instead
 
-The build runs on the CPU with ``--threads`` torch threads (default 1, recorded): one thread keeps a loaded machine
-from collapsing under thread oversubscription, and the SFT's weights came out the same bit for bit with 1 and 2
-threads here (5 full-parameter steps compared, 2026-12-07). Another torch build or CPU kind may round apart, which
-``--check`` reports file by file.
+The build runs on the CPU with ``--threads`` torch threads (default 1, recorded in identity.json and pinned by
+``--check``): the thread count is part of what the bits depend on. Five full-parameter SFT steps gave the same
+weights with 1 and 2 threads, but the whole build did not: the shipped micro warm start (1 thread, final SFT loss
+0.00185) rounds apart from the 2-thread build that made the CI fixture and experiment=micro's committed tables (final
+loss 0.00194; same demonstrations, rows, steps and first loss). One thread also keeps a loaded machine from collapsing
+under thread oversubscription. Another torch build or CPU kind may round apart too, which ``--check`` reports.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_paper_defaults(make_cfg):
     assert cfg.eval.temperature == 0.0 and list(cfg.eval.seeds) == [42]
     assert cfg.eval.max_steps == 50 and cfg.eval.context_budget == 32000
     assert cfg.grpo.groups * cfg.grpo.group_size == 32  # 5,120 rollouts / (4 capabilities x 40 iterations)
-    assert make_cfg().name == "embedded"  # `python -m tracekit` runs the embedded default experiment
+    assert make_cfg().name == "micro_ladder"  # `python -m tracekit` runs the micro world's ladder (issue 50)
 
 
 @pytest.mark.parametrize("override,key", [

@@ -52,11 +52,11 @@ def test_tightened_schema_compiles_to_a_grammar_that_rejects_an_invented_id():
 
 
 def test_required_tool_choice_and_copy_ids_need_the_grammar(make_cfg):
-    validate(make_cfg())  # the embedded default sets all three
+    validate(make_cfg("experiment=embedded"))  # the embedded preset sets all three
     with pytest.raises(ConfigError, match=r"agent\.constrained_tool_calls"):
-        validate(make_cfg("agent.constrained_tool_calls=false"))
+        validate(make_cfg("experiment=embedded", "agent.constrained_tool_calls=false"))
     with pytest.raises(ConfigError, match=r"grpo\.old_logprobs"):
-        validate(make_cfg("grpo.old_logprobs=rollout"))
+        validate(make_cfg("experiment=embedded", "grpo.old_logprobs=rollout"))
 
 
 def test_compiled_grammars_are_bounded(monkeypatch):
@@ -75,7 +75,7 @@ def test_compiled_grammars_are_bounded(monkeypatch):
 def test_agent_engine_takes_the_agents_decoding(make_cfg):
     from tracekit.wiring import AGENT_ENGINE_READS, engine_spec
 
-    spec = engine_spec(make_cfg())  # the embedded default trains with grpo.engine=agent
+    spec = engine_spec(make_cfg("experiment=embedded"))  # the embedded preset trains with grpo.engine=agent
     assert spec == {"kind": "agent", "constrained_tool_calls": True, "tool_choice": "required", "copy_ids": True,
                     "max_batch_size": 8, "prefix_cache_mib": 1024.0}
     assert "agent.copy_ids" in AGENT_ENGINE_READS  # a change of the agent's decoding retrains the adapters

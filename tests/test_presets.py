@@ -77,8 +77,8 @@ def test_paper_presets_compose_validate_and_cut_nothing(make_cfg):
         assert [x.key for x in cuts(c)] == ["benchmark"]  # one domain of the paper's two, and nothing else
 
 
-def test_scale_embedded_is_the_default_experiment_and_scale_paper_undoes_it(make_cfg):
-    default, cut = make_cfg(), make_cfg("experiment=paper", "scale=embedded")
+def test_scale_embedded_is_the_embedded_experiment_and_scale_paper_undoes_it(make_cfg):
+    default, cut = make_cfg("experiment=embedded"), make_cfg("experiment=paper", "scale=embedded")
     for group in STAGE_GROUPS:  # the same values: a scale=embedded table shares the default run's cache
         assert OmegaConf.to_container(default[group]) == OmegaConf.to_container(cut[group]), group
     assert default.eval.max_steps == cut.eval.max_steps == 2 and default.scale.name == cut.scale.name == "embedded"

@@ -154,8 +154,8 @@ def test_the_config_range_checks_the_gate(make_cfg, override, key):
 def test_the_option_reaches_the_synthesize_stage(make_cfg, tmp_path, monkeypatch):
     import tracekit.stages as stages
 
-    cfg = make_cfg("synthesis.acceptance=official", "synthesis.acceptance_group_size=4",
-                   "synthesis.validation_seeds=8", "synthesis.max_all_success=0.5")
+    cfg = make_cfg("experiment=embedded", "synthesis.acceptance=official", "synthesis.acceptance_group_size=4",
+                   "synthesis.validation_seeds=8", "synthesis.max_all_success=0.5")  # a tau^2 library capability
     validate(cfg)
     pipe = build_pipeline()
     reads = pipe.reads(cfg, "synthesize")

@@ -7,7 +7,9 @@ tokenizer, the config; ``planted.json``: the warm start's record) and ``identity
 cache key of :func:`tracekit.planted.warmstart.planted_dir`, over the planted spec, the base backbone and the world
 tokenizer's inputs) and the sha256 of every file. ``scripts/build_warmstart.py <name>`` trains the warm start from
 scratch in an empty cache and writes the folder; ``--check`` trains it again and compares every file's sha256 with
-the shipped one (bit for bit on the same torch build and thread count; SFT on another CPU kind may round apart).
+the shipped one (bit for bit on the same torch build and thread count, which the script pins; SFT on another CPU
+kind may round apart). Like the trained folder's key, the shipped one's holds the recipe, not the rounding: the micro
+copy is a 1-thread build, and micro's committed tables came from a 2-thread one that rounds apart.
 
 Refused in one line (``ShippedWarmStartError``, a ``ConfigError``: the CLI exits 2 before any work): a name with no
 folder, a config whose ``backbone.planted`` key is not the shipped one (the preset or an override changed the warm
@@ -25,6 +27,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from tracekit.artifacts import file_sha256, read_json
 from tracekit.config import ConfigError
@@ -48,8 +52,15 @@ def shipped_dir(name: str) -> Path:
     return WARMSTARTS / name
 
 
+SPEC_KEYS = ("name", "source", "hf_id", "chat_format", "arch", "planted")  # a config node's fields that are the spec's
+
+
 def config_planted_key(backbone: Any) -> tuple[Any, str]:
-    """(backbone spec, planted key) of a config's ``backbone`` node (or a spec / dict)."""
+    """(backbone spec, planted key) of a config's ``backbone`` node (its spec fields; device and dtype are where it
+    runs, not what it is), or of a spec or a dict."""
+    if OmegaConf.is_config(backbone):
+        node = OmegaConf.to_container(backbone, resolve=True)
+        backbone = {k: node[k] for k in SPEC_KEYS if node.get(k) is not None}
     spec = get_spec(backbone)
     if not spec.planted:
         raise ShippedWarmStartError(f"warm_start: backbone={spec.name} has no planted warm start (backbone.planted "

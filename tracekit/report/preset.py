@@ -65,8 +65,8 @@ def warm_start_text(cfg: DictConfig) -> str | None:
     name = cfg.get("warm_start")
     if name is None:
         return None
-    return (f"warm start: the shipped copy `{name}` (tracekit/planted/warmstarts/{name}/, key-checked, the same "
-            f"weights bit for bit: `python scripts/build_warmstart.py {name} --check`), not trained by this run")
+    return (f"warm start: the shipped copy `{name}` (tracekit/planted/warmstarts/{name}/, key- and sha256-checked, "
+            f"rebuilt bit for bit by `python scripts/build_warmstart.py {name} --check`), not trained by this run")
 
 
 def built_on_line(cfg: DictConfig) -> str:
