@@ -143,8 +143,8 @@ def test_the_default_run_learns(tmp_path):
     trace = rows["TRACE"]
     assert trace["overall"]["pass_rate"] > base["overall"]["pass_rate"] and trace["paired_vs_base"]["ci"][0] > 0
     assert (sweep / "ladder.png").is_file()
-    last = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()][-1]
-    assert f"table: {sweep / 'results.md'} | chart: {sweep / 'ladder.png'}" in last
+    last = [line for out in (proc.stdout, proc.stderr) for line in out.splitlines()[-3:]]
+    assert any(f"table: {sweep / 'results.md'} | chart: {sweep / 'ladder.png'}" in line for line in last), last
 
 
 # ------------------------------------------------------------------------------------------ the shipped warm start
