@@ -39,16 +39,20 @@ def test_the_logger_resumes_the_directorys_run(make_cfg, tmp_path, monkeypatch):
     assert seen["id"] == wandb_run_id(tmp_path) and seen["resume"] == "allow" and seen["mode"] == "offline"
     logger.finish()
     assert seen["finished"] == 0
+    RunLogger(make_cfg("experiment=smoke", "logger=wandb"), tmp_path, continues=False)  # another config there
+    assert seen["id"].startswith(wandb_run_id(tmp_path) + "-") and len(seen["id"]) == len(wandb_run_id(tmp_path)) + 9
 
 
 def test_a_resumed_run_with_another_config_is_refused_in_one_line(make_cfg, tmp_path):
     cfg = make_cfg("experiment=smoke")
-    check_resumed_config(cfg, tmp_path)  # a new run dir: nothing to compare
+    assert check_resumed_config(cfg, tmp_path, resuming=True)  # a new run dir: nothing to compare
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    check_resumed_config(cfg, tmp_path)  # the same config: resumed
+    assert check_resumed_config(cfg, tmp_path, resuming=True)  # the same config: resumed
     moved = make_cfg("experiment=smoke", "grpo.lr=0.5", f"paths.cache_dir={tmp_path}/elsewhere")
+    # not --resume (a table's rows dir run again with another row): allowed, on a W&B run of its own
+    assert check_resumed_config(moved, tmp_path, resuming=False) is False
     with pytest.raises(ConfigError) as e:
-        check_resumed_config(moved, tmp_path)
+        check_resumed_config(moved, tmp_path, resuming=True)
     text = str(e.value)
     assert "\n" not in text and text.startswith(f"--resume {tmp_path}: that run (W&B run {wandb_run_id(tmp_path)}) "
                                                 "was started with another config (grpo.lr: 0.001 -> 0.5)")

@@ -40,7 +40,7 @@ from tracekit.pipeline import RunRecord
 from tracekit.planted.shipped import install_shipped
 from tracekit.report.ladder import LADDER_PNG, RESULTS_MD
 from tracekit.report.preset import built_on_line, built_on_markdown, preset_cuts
-from tracekit.report.logging import RunLogger, check_resumed_config, log_traceback_to_file
+from tracekit.report.logging import RESUMING_ENV, RunLogger, check_resumed_config, log_traceback_to_file
 from tracekit.reproduce.paper import cuts, cuts_dict, setting_line, setting_markdown
 from tracekit.stages import build_pipeline
 from tracekit.validate import needed_endpoints, probe_endpoints, validate
@@ -137,13 +137,13 @@ def run(cfg: DictConfig) -> None:
     # the first line: the preset, every value that differs from the paper's, and from the preset it is built on
     log.info(setting_line(cfg) + built_on_line(cfg))
     run_dir = Path(cfg.paths.run_dir)
-    check_resumed_config(cfg, run_dir)  # a run dir given again (--resume): the same config, or one line
+    continues = check_resumed_config(cfg, run_dir)  # --resume of a run dir: the same config, or one line
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     record = RunRecord(run_dir)
     failure = None
     try:
-        record.logger = RunLogger(cfg, run_dir)
+        record.logger = RunLogger(cfg, run_dir, continues)
         if record.logger.run is not None:  # a cut run's W&B config says so too
             record.logger.run.config.update({"paper_setting": cuts_dict(cfg)}, allow_val_change=True)
         pipeline, cache = build_pipeline(), StageCache(cfg.paths.cache_dir)
@@ -591,7 +591,10 @@ def main() -> None:
     from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
     try:
-        sys.argv[1:] = resume_args(sys.argv[1:])
+        args = resume_args(sys.argv[1:])
+        if args != sys.argv[1:]:  # this run and its sweep jobs (other processes, too) resume: RunLogger, run()
+            os.environ[RESUMING_ENV] = "1"
+        sys.argv[1:] = args
     except ValueError as e:
         print(f"tracekit: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -38,25 +38,35 @@ def config_changes(before: dict[str, Any], after: dict[str, Any], prefix: str = 
     return out
 
 
-def check_resumed_config(cfg: DictConfig, run_dir: Path) -> None:
-    """A run directory that already holds a run's ``config.yaml`` is that run resumed (its W&B run id is the
-    directory's): refused in one line (ConfigError) when this config computes anything else."""
+RESUMING_ENV = "TRACEKIT_RESUMING"  # set by ``python -m tracekit --resume`` for the run and its sweep jobs
+
+
+def check_resumed_config(cfg: DictConfig, run_dir: Path, resuming: bool | None = None) -> bool:
+    """Whether this run continues the earlier run of its directory (the same config, or no earlier run): then its W&B
+    run is that run's. ``--resume`` (``resuming``; default: the environment ``python -m tracekit --resume`` sets) of
+    a run whose config differs is refused in one line (ConfigError). Without it, a directory given again with another
+    config (a table's rows dir, an experiment's variant dir) runs as before and logs to a W&B run of its own."""
     previous = run_dir / "config.yaml"
     if not previous.is_file():
-        return
+        return True
     changes = config_changes(OmegaConf.to_container(OmegaConf.load(previous), resolve=False),
                              OmegaConf.to_container(cfg, resolve=True))
-    if changes:
+    if not changes:
+        return True
+    if resuming is None:
+        resuming = os.environ.get(RESUMING_ENV) == "1"
+    if resuming:
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
         raise ConfigError(f"--resume {run_dir}: that run (W&B run {wandb_run_id(run_dir)}) was started with another "
                           f"config ({shown}): resume it with its own overrides, or start a new run")
+    return False
 
 
 class RunLogger:
     """Logs scalars, tables and images to W&B when enabled; a no-op sink otherwise. The W&B run's id derives from
     the run directory (:func:`wandb_run_id`) and resuming is allowed: a restarted run logs into its first W&B run."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
+    def __init__(self, cfg: DictConfig, run_dir: Path, continues: bool = True):
         self.run = None
         if cfg.logger.kind != "wandb":
             return
@@ -64,15 +74,17 @@ class RunLogger:
         import wandb
 
         self._wandb = wandb
+        plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         self.run = wandb.init(
             project=cfg.logger.project,
             entity=cfg.logger.entity,
-            id=wandb_run_id(run_dir),
+            # another config in a directory given again (not --resume): a W&B run of its own, never mixed in
+            id=wandb_run_id(run_dir) if continues else f"{wandb_run_id(run_dir)}-{stable_hash(plain_cfg, length=8)}",
             resume="allow",
             name=f"{cfg.name}-{run_dir.name}",
             dir=str(run_dir),
             mode=cfg.logger.mode,
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=plain_cfg,
             reinit="finish_previous",
         )
         log.info("W&B run %s (%s, resumed: %s) in %s", self.run.id, cfg.logger.mode, bool(self.run.resumed),
