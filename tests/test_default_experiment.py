@@ -197,3 +197,16 @@ def test_installing_puts_the_shipped_files_where_the_warm_start_is_loaded_from(m
     assert (path / "model" / "model.safetensors").read_bytes() == (shipped_dir("micro") / "model" /
                                                                    "model.safetensors").read_bytes()
     assert install_shipped("micro", cfg.backbone, tmp_path / "cache") == (path, False)  # there already: kept
+
+
+def test_the_rebuild_check_compares_the_record_but_for_its_build_time(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_warmstart import same_record
+
+    shipped = json.loads((ROOT / "tracekit" / "planted" / "warmstarts" / "micro" / "planted.json").read_text())
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(shipped))
+    b.write_text(json.dumps({**shipped, "seconds": shipped["seconds"] + 100}))
+    assert same_record(a, b)
+    b.write_text(json.dumps({**shipped, "sft": {**shipped["sft"], "loss_last": 0.5}}))
+    assert not same_record(a, b)

@@ -21,6 +21,7 @@ from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
 from tracekit.paired import interval_text
 from tracekit.report.ladder import LADDER_PNG, RESULTS_MD, write_ladder_chart
+from tracekit.targets import target_of
 from tracekit.paired import base_label, paired_line, summary_of_outcomes
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class SideBySideTable(Callback):
             log.error("multirun: no job wrote results (%s)", sweep_dir)
             return
         paired_text, paired = paired_lines(rows)
-        table = markdown_table(rows) + "".join(f"\n- {n}" for n in notes) + paired_text
+        protocol = target_of(config).protocol(config)  # a versioned benchmark's task set and user simulator
+        table = ((f"{protocol}\n\n" if protocol else "") + markdown_table(rows) + "".join(f"\n- {n}" for n in notes)
+                 + paired_text)
         atomic_write_json(sweep_dir / RESULTS, rows, sort_keys=False)
         if paired:
             atomic_write_json(sweep_dir / "paired.json", paired, sort_keys=False)
