@@ -48,14 +48,14 @@ def rollout_once(cfg, prefix_cache_mib: float, out: Path) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the composed config (default experiment)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the composed config (experiment=embedded first)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mib", type=float, default=1024, help="prefix_cache_mib of the 'on' arm")
     ap.add_argument("--json", type=Path, default=None, help="write the measurements here")
     args = ap.parse_args()
     if args.repeats < 1 or args.mib <= 0:
         ap.error("--repeats must be >= 1 and --mib > 0")
-    cfg = compose_config(args.overrides)
+    cfg = compose_config(["experiment=embedded", *args.overrides])
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):

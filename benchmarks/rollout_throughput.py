@@ -76,10 +76,10 @@ PARTS = ("prefill", "decode", "mask", "pick", "compile", "prompts", "env", "othe
 
 
 def target_overrides(name: str, limit: int | None) -> list[str]:
-    """The composed config of a named target: ``tau2_mini`` is the embedded default experiment's evaluation
+    """The composed config of a named target: ``tau2_mini`` is the embedded experiment's evaluation
     (2 environments x 3 tasks, 2 agent turns); ``gain`` the gain experiment's three environments (4 turns)."""
     if name == "tau2_mini":
-        return [] if limit is None else [f"benchmark.limit={limit}"]
+        return ["experiment=embedded", *([] if limit is None else [f"benchmark.limit={limit}"])]
     if name == "gain":
         return ["experiment=gain", f"benchmark.limit={limit or 1}"]
     raise SystemExit(f"unknown target {name!r} (tau2_mini | gain)")

@@ -145,14 +145,14 @@ def test_a_coding_run_with_its_cache_or_root_under_a_bound_dir_is_refused_naming
     assert not Path(refused).exists()
 
 
-def test_a_root_under_a_bound_dir_is_refused_before_hydra_makes_the_run_dir(monkeypatch):
+def test_a_root_under_a_bound_dir_is_refused_before_hydra_makes_the_run_dir(monkeypatch, tmp_path):
     """exposed_root_problem composes and validates the run's config before Hydra writes its run dir under the root;
     a target without the jail keeps such a root."""
     from tracekit.cli import exposed_root_problem
 
     refused = _bound_dir()
     monkeypatch.setenv("TRACEKIT_ROOT", refused)
-    monkeypatch.setenv("TRACEKIT_CACHE", str(Path(__file__).parent / "no-such-cache-dir"))
+    monkeypatch.setenv("TRACEKIT_CACHE", str(tmp_path / "cache"))  # validating micro caches its world tokenizer
     why = exposed_root_problem(["benchmark=coding_toolz", "stages=[rollout]", "logger=none"])
     assert why is not None and f"{refused}/outputs (paths.root_dir) lies inside /usr" in why
     assert exposed_root_problem(["experiment=micro", "stages=[rollout]"]) is None

@@ -63,7 +63,7 @@ def test_paper_defaults(make_cfg):
     ("user.max_turns=null", "user.max_turns"),
     ("analysis.min_capabilities=11", "analysis.min_capabilities"),
     ("synthesis.target_low=0.9", "synthesis.target_low"),
-    ("user=llm user.endpoint=nope", "user.endpoint"),
+    ("experiment=embedded user=llm user.endpoint=nope", "user.endpoint"),
     ("llm=openai llm.endpoints.user.base_url=127.0.0.1:8000", "llm.endpoints.user.base_url"),
 ])
 def test_out_of_range_values_fail_validation(make_cfg, override, key):
@@ -172,7 +172,7 @@ def test_open_groups_take_new_keys(make_cfg):
 
     from tracekit.config import EndpointConfig
 
-    cfg = make_cfg("+backbone.arch.rope_theta=1e6", "grpo.engine=vllm", "+grpo.vllm.port=8001",
+    cfg = make_cfg("experiment=embedded", "+backbone.arch.rope_theta=1e6", "grpo.engine=vllm", "+grpo.vllm.port=8001",
                    "+grpo.vllm.model_path=/models/base")
     # a new endpoint name (from a yaml file: OmegaConf 2.3 cannot `+`-add an entry to a dict of dataclasses)
     with open_dict(cfg):

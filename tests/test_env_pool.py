@@ -56,7 +56,7 @@ def test_tau2_mini_with_the_tiny_model_is_identical_with_and_without_workers(mak
     from tracekit.wiring import suite_spec
     from tracekit.wiring import build_agent, build_suite
 
-    cfg = make_cfg("backbone=tiny", "benchmark=tau2_mini", "benchmark.limit=2", "eval.max_steps=3", "agent.batch_size=3")
+    cfg = make_cfg("experiment=embedded", "backbone=tiny", "benchmark=tau2_mini", "benchmark.limit=2", "eval.max_steps=3", "agent.batch_size=3")
     suite, agent = build_suite(cfg), build_agent(cfg)
     agent.return_tokens = True
     got = {}

@@ -58,15 +58,15 @@ def test_an_agent_that_never_calls_a_tool_fails_and_lacks_tool_calling(tmp_path)
 
 
 def test_config_builds_the_target_and_checks_it(make_cfg):
-    cfg = make_cfg("benchmark=tau2_mini", "benchmark.limit=2")
+    cfg = make_cfg("experiment=embedded", "benchmark=tau2_mini", "benchmark.limit=2")
     validate(cfg)
     suite = build_suite(cfg)
     assert len(suite.tasks()) == 2 * len(cfg.benchmark.synthetic.envs)
     assert synthesis_target(cfg) == "tau2_retail"  # the library environments' family: synthesis keeps its tools
     with pytest.raises(ConfigError, match=r"benchmark\.synthetic\.envs"):
-        validate(make_cfg("benchmark=tau2_mini", "benchmark.synthetic.envs=[tau2_nope]"))
+        validate(make_cfg("experiment=embedded", "benchmark=tau2_mini", "benchmark.synthetic.envs=[tau2_nope]"))
     with pytest.raises(ConfigError, match=r"benchmark\.synthetic\.difficulty"):
-        validate(make_cfg("benchmark=tau2_mini", "benchmark.synthetic.difficulty=9"))
+        validate(make_cfg("experiment=embedded", "benchmark=tau2_mini", "benchmark.synthetic.difficulty=9"))
 
 
 def test_zero_update_adapter_is_detected_from_its_weights(tmp_path):

@@ -42,9 +42,9 @@ def test_every_registered_target_has_a_benchmark_config_and_answers_to_its_kind(
 
 
 def test_targets_give_their_synthesis_family(make_cfg):
-    assert target_of(make_cfg("benchmark=tau2_airline")).synthesis_family(make_cfg("benchmark=tau2_airline")) == "tau2_airline"
-    assert target("tau2").synthesis_family(make_cfg("benchmark=tau2")) == "tau2_retail"
-    assert target("toolsandbox").synthesis_family(make_cfg("benchmark=toolsandbox")) == "toolsandbox"
+    assert target_of(make_cfg("experiment=embedded", "benchmark=tau2_airline")).synthesis_family(make_cfg("experiment=embedded", "benchmark=tau2_airline")) == "tau2_airline"
+    assert target("tau2").synthesis_family(make_cfg("experiment=embedded", "benchmark=tau2")) == "tau2_retail"
+    assert target("toolsandbox").synthesis_family(make_cfg("experiment=embedded", "benchmark=toolsandbox")) == "toolsandbox"
     assert kind_of_env("toolsandbox") == kind_of_env("toolsandbox_all_tools") == "toolsandbox"
     assert kind_of_env("toolsandbox_datetime_reasoning") == "synthetic"  # a library environment of the family
     assert kind_of_env("tau2_retail") == "tau2"
@@ -53,7 +53,7 @@ def test_targets_give_their_synthesis_family(make_cfg):
 def test_without_its_environment_toolsandbox_is_refused_in_one_line_naming_the_install_step(make_cfg, monkeypatch):
     monkeypatch.setenv("TOOLSANDBOX_VENV", "/nonexistent/toolsandbox-venv")
     with pytest.raises(ConfigError) as e:
-        validate(make_cfg("benchmark=toolsandbox", "experiment=smoke"))
+        validate(make_cfg("experiment=embedded", "benchmark=toolsandbox", "experiment=smoke"))
     assert INSTALL_STEP in str(e.value) and "\n" not in str(e.value)
 
 
@@ -61,13 +61,13 @@ def test_toolsandbox_domains_and_split_are_checked(make_cfg, monkeypatch, tmp_pa
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").write_text("")  # only its presence is checked here
     monkeypatch.setenv("TOOLSANDBOX_VENV", str(tmp_path))
-    validate(make_cfg("benchmark=toolsandbox", "benchmark.domains=[base,all_tools]"))
+    validate(make_cfg("experiment=embedded", "benchmark=toolsandbox", "benchmark.domains=[base,all_tools]"))
     with pytest.raises(ConfigError, match="benchmark.domains"):
-        validate(make_cfg("benchmark=toolsandbox", "benchmark.domains=[airline]"))
+        validate(make_cfg("experiment=embedded", "benchmark=toolsandbox", "benchmark.domains=[airline]"))
     with pytest.raises(ConfigError, match="benchmark.domains"):
-        validate(make_cfg("benchmark=tau2_retail", "benchmark.domains=[base]"))
+        validate(make_cfg("experiment=embedded", "benchmark=tau2_retail", "benchmark.domains=[base]"))
     with pytest.raises(ConfigError, match="benchmark.split"):
-        validate(make_cfg("benchmark=toolsandbox", "benchmark.split=test"))
+        validate(make_cfg("experiment=embedded", "benchmark=toolsandbox", "benchmark.split=test"))
 
 
 def test_eval_benchmark_evaluates_on_another_target(make_cfg, monkeypatch, tmp_path):
@@ -75,17 +75,17 @@ def test_eval_benchmark_evaluates_on_another_target(make_cfg, monkeypatch, tmp_p
     from tracekit.targets import evaluation_config
     from tracekit.stages import build_pipeline
 
-    cfg = make_cfg("benchmark=tau2_mini", "eval.benchmark=toolsandbox")
+    cfg = make_cfg("experiment=embedded", "benchmark=tau2_mini", "eval.benchmark=toolsandbox")
     on = evaluation_config(cfg)
     assert on.benchmark.kind == "toolsandbox" and cfg.benchmark.kind == "synthetic"
     pipe = build_pipeline()
     assert "eval.benchmark" in pipe.reads(cfg, "evaluate")
-    assert "eval.benchmark" not in pipe.reads(make_cfg("benchmark=tau2_mini"), "evaluate")  # unset: keys as before
+    assert "eval.benchmark" not in pipe.reads(make_cfg("experiment=embedded", "benchmark=tau2_mini"), "evaluate")  # unset: keys as before
     monkeypatch.setenv("TOOLSANDBOX_VENV", "/nonexistent/toolsandbox-venv")
     with pytest.raises(ConfigError, match="install.sh"):  # the evaluation target's own checks, before any work
         validate(cfg)
     with pytest.raises(ConfigError, match="eval.benchmark"):
-        validate(make_cfg("eval.benchmark=no_such_benchmark"))
+        validate(make_cfg("experiment=embedded", "eval.benchmark=no_such_benchmark"))
 
 
 def _traj(task, reward, categories, messages=(), sample=0, env="toolsandbox", **info):

@@ -45,7 +45,7 @@ def venv_present(monkeypatch, tmp_path):
 
 
 def _ts(make_cfg, *overrides):
-    return make_cfg("benchmark=toolsandbox", "eval.methods=[base,grpo_target]", *overrides)
+    return make_cfg("experiment=embedded", "benchmark=toolsandbox", "eval.methods=[base,grpo_target]", *overrides)
 
 
 # ---------------------------------------------------------------------------------------------- the split

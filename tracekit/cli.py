@@ -32,6 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from tracekit.coding.sandbox import system_binds
 from tracekit.artifacts import StageCache, atomic_write_text, unwritable
 from tracekit.config import USER_ERRORS, ConfigError, interpolation_message
 from tracekit.schema import register_configs
@@ -500,8 +501,6 @@ def exposed_root_problem(args: list[str]) -> str | None:
     it before Hydra makes the run dir (or a multirun's sweep dir) in it, a multirun as its first sweep point; None
     for any other root or target."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from tracekit.coding.sandbox import system_binds
 
     found = run_root(args)
     if found is None:

@@ -45,11 +45,21 @@ def gather_rows(job_dirs: list[Path]) -> tuple[dict[str, Any], list[str]]:
 
 
 def paired_against(rows: dict[str, Any], reference: str | None) -> dict[str, Any]:
-    """Every other row's paired summary against the row ``reference`` (rows without outcomes are left out)."""
+    """Every other row's paired summary against the row ``reference``. Rows without outcomes, or run on other
+    episodes than the reference's (another task limit, say), cannot be paired and are left out
+    (:func:`unpaired_with`)."""
     if reference is None or "outcomes" not in rows[reference]:
         return {}
     return {label: summary_of_outcomes(rows[reference]["outcomes"], r["outcomes"])
-            for label, r in rows.items() if label != reference and "outcomes" in r}
+            for label, r in rows.items() if label != reference and label not in unpaired_with(rows, reference)
+            and "outcomes" in r}
+
+
+def unpaired_with(rows: dict[str, Any], reference: str) -> list[str]:
+    """The rows with outcomes on another set of episodes than ``reference``'s: no paired comparison exists."""
+    episodes = set(rows[reference].get("outcomes", {}))
+    return [label for label, r in rows.items()
+            if label != reference and "outcomes" in r and set(r["outcomes"]) != episodes]
 
 
 def paired_lines(rows: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -64,6 +74,8 @@ def paired_lines(rows: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             out[key] = summaries
             text += f"\nPaired vs {ref} ({interval_text(ref)}):\n" + "\n".join(
                 paired_line(label, s) for label, s in summaries.items()) + "\n"
+        if ref is not None and (other := unpaired_with(rows, ref)):
+            text += f"\nNot paired with {ref} (other episodes): " + ", ".join(other) + "\n"
     return text, out
 
 

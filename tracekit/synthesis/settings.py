@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tracekit.ranges import Choice, check_declared
+from tracekit.synthesis.chain import merged_tools, parse_chain
+from tracekit.synthesis.library import find_library_env
 
 SOURCES = ("library", "generate")  # the built-in capability library | an LLM writes each environment
 ACCEPTANCE = ("none", "official")  # no gate | the official TRACE calibration gate on every ready environment
@@ -87,8 +89,6 @@ class SynthesisConfig:
     def check_chains(self) -> None:
         """Each chain two distinct capabilities; with the built-in library, two whose tools do not conflict (one
         name, two schemas): refused here, before any work. Generated environments are checked when chained."""
-        from tracekit.synthesis.chain import merged_tools, parse_chain
-        from tracekit.synthesis.library import find_library_env
 
         for entry in self.chains:
             first, second = parse_chain(entry)
