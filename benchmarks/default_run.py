@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in sorted(root.glob("outputs/multirun/*/*/config.yaml")) or sorted(root.glob("outputs/runs/*/config.yaml")):
         job = a.out / "jobs" / (config.parent.name if config.parent.name.isdigit() else "0")
         job.mkdir(parents=True, exist_ok=True)  # each job's resolved config and summary: what was measured
-        for name in ("config.yaml", "summary.md"):
+        for name in ("config.yaml", "summary.md", "artifacts.json"):  # artifacts.json: each stage's key
             if (config.parent / name).is_file():
                 shutil.copy2(config.parent / name, job / name)
     (a.out / "default_run.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -5,9 +5,9 @@ Which test holds learning, and why this way: the default's full fresh run takes 
 the fast suite's budget, so it is `test_the_default_run_learns` (slow). The fast suite holds it in two steps that fail
 as soon as either stops being true:
 - `test_the_measured_default_run_is_todays_default_and_learned`: the committed measurement of a fresh default run
-  (benchmarks/results/default_run/: its jobs' config.yaml and the side-by-side results.json) was made with today's
-  default config, key for key (paths aside), and its table shows TRACE above Base with the paired 95% CI above 0; a
-  change to the default's config fails it until the default is measured again;
+  (benchmarks/results/default_run/: its jobs' artifacts.json and the side-by-side results.json) computed what
+  today's default computes, stage key for stage key (every value a stage reads), and its table shows TRACE above
+  Base with the paired 95% CI above 0; a change to what the default computes fails it until it is measured again;
 - `test_the_shipped_warm_start_is_the_defaults`: the shipped warm start the measurement started from is the one the
   default installs (its key and every file's sha256).
 The default's stage keys up to compose are experiment=micro's (`test_the_default_computes_what_micro_computes`), but
@@ -113,13 +113,22 @@ def _measured_jobs() -> list[Path]:
 
 
 def test_the_measured_default_run_is_todays_default_and_learned(make_cfg):
+    from tracekit.artifacts import Artifact
+    from tracekit.stages import build_pipeline
+
     jobs = _measured_jobs()
     assert [p.name for p in jobs] == ["0", "1"], "benchmarks/results/default_run/jobs/: run benchmarks/default_run.py"
+    pipe = build_pipeline()
     for job, strategy in zip(jobs, ("moe", "merge_cat"), strict=True):
-        today = OmegaConf.to_container(make_cfg(f"consolidation={strategy}"), resolve=True)
-        measured = OmegaConf.to_container(OmegaConf.load(job / "config.yaml"), resolve=True)
-        today.pop("paths"), measured.pop("paths")
-        assert measured == today, f"the default config changed since its measurement (job {job.name}): measure again"
+        # every stage today's default computes has the key the measured run's stage had, given the measured inputs'
+        # contents: the same computation (settings added since with key-neutral defaults do not move it)
+        done = {a["stage"]: a for a in json.loads((job / "artifacts.json").read_text()).values()}
+        cfg = make_cfg(f"consolidation={strategy}")
+        for name in pipe.order(cfg, list(cfg.stages)):
+            inputs = {n: Artifact(n, done[n]["key"], Path(done[n]["path"]), done[n]["content_key"], hit=True)
+                      for n in pipe.inputs(cfg, name)}
+            assert pipe.key(cfg, pipe.stages[name], inputs) == done[name]["key"], (
+                f"the default's {name} stage is not the measured one (job {job.name}): measure the default again")
     rows = json.loads((MEASURED / "results.json").read_text())
     by_method = {r["method"]: (label, r) for label, r in rows.items() if label == "TRACE" or r["method"] != "trace"}
     base, trace = by_method["base"][1], by_method["trace"][1]
