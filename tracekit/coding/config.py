@@ -43,6 +43,10 @@ class CodingSettings:
     command_processes: int = 128
     output_chars: int = 4000
     model_name: str = "tracekit"  # model_name_or_path of the exported SWE-bench predictions
+    # the local reward's protocol (tracekit.coding.reward, issue 49): fix_only takes only the package's own source
+    # files from a patch and reads the outcome from a signed channel. A value of every coding stage's key, so a
+    # cache scored under the older, forgeable reward is never reused (kind=swebench: the harness scores instead)
+    reward: str = "fix_only"
     # kind=swebench
     dataset: str = "princeton-nlp/SWE-bench_Verified"  # hub dataset id, or a local .jsonl path
     repos_dir: str | None = None  # local clones <repos_dir>/<owner>__<name> (the agent's checkouts)
@@ -53,7 +57,7 @@ class CodingSettings:
         "heldout_fraction": "(0, 1)", "test_wall_seconds": ">= 1", "test_cpu_seconds": ">= 1",
         "command_wall_seconds": ">= 1", "command_cpu_seconds": ">= 1", "command_memory_mb": ">= 64",
         "command_processes": ">= 8", "output_chars": ">= 200", "max_workers": ">= 1"}  # fmt: skip
-    CHOICES: ClassVar[dict[str, Choice]] = {"modifiers": modifier_names}
+    CHOICES: ClassVar[dict[str, Choice]] = {"modifiers": modifier_names, "reward": ("fix_only",)}
 
 
 def check(bench: Any) -> list[tuple[str, Any, str]]:
