@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from tracekit.ranges import Choice, check_declared
 from tracekit.synthesis.chain import merged_tools, parse_chain
-from tracekit.synthesis.library import find_library_env
+from tracekit.synthesis import library  # the module, so a test's stand-in library reaches check_chains
 
 SOURCES = ("library", "generate")  # the built-in capability library | an LLM writes each environment
 ACCEPTANCE = ("none", "official")  # no gate | the official TRACE calibration gate on every ready environment
@@ -92,7 +92,8 @@ class SynthesisConfig:
 
         for entry in self.chains:
             first, second = parse_chain(entry)
-            envs = [find_library_env(first), find_library_env(second)] if self.source == "library" else []
+            envs = ([library.find_library_env(first), library.find_library_env(second)]
+                    if self.source == "library" else [])
             if all(envs):
                 a, b = (cls(cls.default_difficulty) for cls in envs)
                 merged_tools(a.name, a.tools(), b.name, b.tools())
