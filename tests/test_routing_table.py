@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tracekit.artifacts import StageCache, atomic_write_json
+from tracekit.artifacts import StageCache, atomic_write_json, write_jsonl
 from tracekit.llm.base import ChatRequest, ChatResponse
 from tracekit.llm.tools import encode_prompt
 from tracekit.moe.model import MoEConfig, build_lora_moe
@@ -24,7 +24,6 @@ from tracekit.report.routing import (DECISIONS_CSV, EPISODES_CSV, ROUTING_MD, Ro
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.rollout import TRAJECTORIES
 from tracekit.synthesis.library.micro import MicroFinishAllWrites, MicroRefuseLocked
-from tracekit.artifacts import write_jsonl
 from tracekit.types import Message, ToolCall, Trajectory
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -187,7 +186,8 @@ def test_the_task_routers_weights_are_kept_per_episode(adapters, tok, tmp_path):
         (episode,) = list(csv.DictReader(f))
     weights = [float(episode[f"weight_{s}"]) for s in model.slot_names]
     assert sum(weights) == pytest.approx(1.0, abs=1e-5) and model.slot_names == ["base", "cap0", "cap1"]
-    assert "The episode's weights" in (out / ROUTING_MD).read_text()
+    md = (out / ROUTING_MD).read_text()
+    assert "The episode's weights" in md and "the task router (one decision per episode, top-p 0.9" in md
 
 
 def test_decision_points_of_a_several_write_request_and_a_question():
@@ -225,3 +225,14 @@ def test_a_run_without_a_compose_artifact_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and "has no compose artifact" in err
     assert main(["--run", str(tmp_path / "nowhere")]) == 2
     assert "no artifacts.json" in capsys.readouterr().err
+
+
+def test_episodes_of_another_world_are_one_line_before_any_model_loads(adapters, tok, tmp_path):
+    other = locked_episode(tok).model_copy(update={"env": "tau2_retail"})
+    run_dir = finished_run(tmp_path, _moe(adapters, tok), [other])
+
+    def load(ref, device):
+        raise AssertionError("no model is loaded for episodes the table cannot read")
+
+    with pytest.raises(RoutingTableError, match=r"tau2_retail/t0/0 \(environment tau2_retail\) is not a micro-world"):
+        routing_table(run_dir, tmp_path / "out", load=load)

@@ -140,15 +140,22 @@ def _json(text: str | None) -> Any:
         return None
 
 
-def micro_instance(traj: Trajectory) -> tuple[Any, list[dict[str, Any]]]:
-    """(the episode's micro instance, regenerated from its environment, difficulty and seed; the environment's tools),
-    or one line saying why it is not a micro-world episode."""
-    try:
-        env = MicroTarget().env_class(traj.env)(int(traj.info["difficulty"]))
-        return env.generate(int(traj.info["seed"])), env.tools()
-    except (KeyError, ValueError, TypeError) as e:
-        raise RoutingTableError(f"episode {traj.uid} is not a micro-world episode (the routing table reads the micro "
-                                f"world's tool results): {e}") from None
+MicroEpisode = tuple[Trajectory, Any, list[dict[str, Any]]]  # (episode, its micro instance, its environment's tools)
+
+
+def micro_episodes(trajectories: Sequence[Trajectory]) -> list[MicroEpisode]:
+    """Each episode with its micro instance (regenerated from its environment, difficulty and seed) and its
+    environment's tools, or one line naming the first episode that is not a micro-world one."""
+    target, out = MicroTarget(), []
+    for traj in trajectories:
+        try:
+            env = target.env_class(traj.env)(int(traj.info["difficulty"]))
+            out.append((traj, env.generate(int(traj.info["seed"])), env.tools()))
+        except (KeyError, ValueError, TypeError):
+            raise RoutingTableError(f"episode {traj.uid} (environment {traj.env}) is not a micro-world episode: the "
+                                    "routing table reads the micro world's tool results (micro_* environments, their "
+                                    "difficulty and seed)") from None
+    return out
 
 
 # --------------------------------------------------------------------------------------------- routing at a decision
@@ -171,8 +178,11 @@ class DecisionRouter:
     @property
     def describe(self) -> str:
         c = self.config
+        if self.router is not None:
+            return (f"the task router (one decision per episode, top-p {self.router.top_p:g} of its probabilities), "
+                    f"slots {', '.join(self.slots)}")
         soft = f"soft top-{c.soft_top_k} (T={c.soft_temperature:g})" if c.soft_top_k else f"hard top-{c.top_k}"
-        return f"granularity {c.granularity}, {soft}, decider {c.decider}, slots {', '.join(self.slots)}"
+        return f"granularity {c.granularity}, {soft}, slots {', '.join(self.slots)}"
 
     def episode_weights(self, messages: Sequence[Message], tools: Any) -> torch.Tensor:
         """The slot weights [S] of the episode's one decision (trajectory granularity or the task router)."""
@@ -233,14 +243,14 @@ def check_recorded_prompt(traj: Trajectory, point: DecisionPoint, ids: list[int]
 # --------------------------------------------------------------------------------------------- rows and tables
 
 
-def routing_rows(router: DecisionRouter, trajectories: Sequence[Trajectory], row: str = ""
+def routing_rows(router: DecisionRouter, micro: Sequence[MicroEpisode], row: str = ""
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(decision rows: one per episode x decision point x block; episode rows: one per episode with its weights,
-    trajectory granularity and the task router only) for ``trajectories`` under ``router``."""
+    trajectory granularity and the task router only) for the episodes ``micro`` (:func:`micro_episodes`) under
+    ``router``."""
     decisions, episodes = [], []
     per_episode = router.config.granularity == "trajectory"
-    for traj in trajectories:
-        instance, tools = micro_instance(traj)
+    for traj, instance, tools in micro:
         common = {"row": row, "kind": traj.env, "task_id": traj.task_id, "sample": traj.sample,
                   "passed": int(bool(traj.success))}
         episode = router.episode_weights(traj.messages, tools) if per_episode else None
@@ -351,8 +361,8 @@ def routed_rows(run_dir: Path) -> list[RoutedRow]:
         compose = _lookup(run_dir, entry)
         policy = read_consolidated(compose)
         if policy.policy.kind != "moe":
-            raise RoutingTableError(f"{run_dir}: its consolidation row {policy.label!r} is a {policy.policy.kind}, not a "
-                                    "LoRA-MoE: it has no routing")
+            raise RoutingTableError(f"{run_dir}: its consolidation row {policy.label!r} is a policy of kind "
+                                    f"{policy.policy.kind!r}, not a LoRA-MoE: it has no routing to tabulate")
         identity = policy.policy.identity()
         row = RoutedRow(policy.label, compose, policy.policy.weights.path / policy.policy.subdir)
         for e in entries:
@@ -385,17 +395,17 @@ def routing_table(run_dir: str | Path, out: str | Path | None = None, device: st
     written = []
     for row in rows:
         target = out if len(rows) == 1 else out / row.compose.key
+        micro = micro_episodes([t for art in row.episodes for t in read_trajectories(art.path)])  # before any model
         meta = read_json(row.moe_dir / "moe_config.json")
         backbone, tokenizer = load(meta["backbone"], device)
         model = LoRAMoEModel.load(row.moe_dir, backbone=backbone).eval()
         router = DecisionRouter(model, tokenizer, row.moe_dir)
-        trajectories = [t for art in row.episodes for t in read_trajectories(art.path)]
-        decisions, episodes = routing_rows(router, trajectories, row.label)
+        decisions, episodes = routing_rows(router, micro, row.label)
         source = ", ".join(f"episodes/{a.key}" for a in row.episodes)
         atomic_write_text(target / DECISIONS_CSV, csv_text(decisions))
         if episodes:
             atomic_write_text(target / EPISODES_CSV, csv_text(episodes))
         atomic_write_text(target / ROUTING_MD, markdown(f"{row.label} (compose/{row.compose.key})", router.describe,
-                                                        router.slots, decisions, episodes, len(trajectories), source))
+                                                        router.slots, decisions, episodes, len(micro), source))
         written.append(target / ROUTING_MD)
     return written
