@@ -165,6 +165,9 @@ class DecisionRouter:
     """The routing of a composed model at decision turns, as its evaluation applied it (module docstring)."""
 
     def __init__(self, model: LoRAMoEModel, tokenizer: Any, moe_dir: Path | None = None):
+        if model.router != "gate":
+            raise RoutingTableError(f"the composed model routes by {model.router!r} (each projection by its adapters' "
+                                    "prototypes): it has no block gate to tabulate")
         self.model, self.tokenizer = model, tokenizer
         self.pad_id = padding_id(tokenizer)
         self.config = model.moe_config
