@@ -232,6 +232,17 @@ def _check(ok: bool, key: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: must be {valid}")
 
 
+def owner_settings(cfg: DictConfig, group: str, schema: type) -> Any:
+    """The owner's settings class ``schema`` built from the config group ``group`` (its fields only), so that the
+    owner's own cross-field rules run: a ValueError of theirs is a one-line ConfigError."""
+    values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
+    try:
+        return schema(**{k: v for k, v in values.items() if k in {f.name for f in fields(schema)}})
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
 
 def read_pinned_dictionary(cfg: DictConfig) -> list[Any]:
     """The capabilities of the ``analysis.dictionary_path`` file, read as discovery reads it; ConfigError
