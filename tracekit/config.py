@@ -115,9 +115,11 @@ class GrpoConfig(GRPORecipe):
     """The recipe plus the rollout engine (hf in process | vllm server with LoRA sync). What a run keeps of its
     rollouts is no knob: every tracekit run keeps them ``full`` (:func:`tracekit.runs.grpo_run`)."""
 
+    # hf (in process) | agent (in process, the agent's client: its tool-call grammar) | vllm (a managed `vllm serve`,
+    # adapter-only sync)
     engine: str = "hf"
-    # engine=vllm: tracekit.rl.vllm_client.VLLMSettings fields (model_path required); validate() checks the keys, the
-    # values and the engine's rules, and refuses them under another engine
+    # engine=vllm: +grpo.vllm.<field>=... (tracekit.rl.vllm_client.VLLMSettings fields; model_path required);
+    # validate() checks the keys, the values and the engine's rules, and refuses them under another engine
     vllm: dict[str, Any] = field(default_factory=dict)
 
     def settings(self, save_rollouts: str) -> GRPOSettings:
