@@ -31,6 +31,7 @@ from tracekit.llm.decoding import PREFIX_CACHE_MIB
 from tracekit.llm.tools import CHAT_FORMATS
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.moe.layer import MOE_IMPLS
+from tracekit.moe.model import MoEConfig
 from tracekit.ranges import DTYPES, Choice
 from tracekit.rl.settings import GRPORecipe, GRPOSettings
 
@@ -133,12 +134,15 @@ class GrpoConfig(GRPORecipe):
 class MoeConfig(GateTrainConfig):
     """The gate's training knobs (:class:`tracekit.moe.gate.GateTrainConfig`) plus the routing and the gate's data."""
 
-    top_k: int = 1  # inference routing
-    train_top_k: int | None = None  # None: dense softmax mixture while training (the paper's formula)
-    base_slot: bool = False  # an extra "no adapter" expert (as in the official code)
-    renormalize: bool = False  # top-k weights: raw softmax probabilities (official code) or renormalized
-    impl: str = "grouped"  # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) | grouped_mm | masked_dense
-    gate_init_std: float = 0.0  # 0: uniform routing at the start
+    # the routing knobs' defaults are the composed model's (tracekit.moe.model.MoEConfig), the one place they live
+    top_k: int = MoEConfig.top_k  # inference routing
+    train_top_k: int | None = MoEConfig.train_top_k  # None: dense softmax mixture while training (the paper's formula)
+    base_slot: bool = MoEConfig.include_base_slot  # an extra "no adapter" expert (as in the official code)
+    renormalize: bool = MoEConfig.renormalize  # top-k weights: raw softmax probabilities (official code) or renormalized
+    # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) |
+    # grouped_mm | masked_dense
+    impl: str = MoEConfig.impl
+    gate_init_std: float = MoEConfig.gate_init_std  # 0: uniform routing at the start
     gate_data: str = "successes"  # GRPO rollouts the gate trains on: successes (paper) | all
     trajectories_per_capability: int = 32
 
