@@ -88,11 +88,13 @@ class AgentConfig:
     kind: str = "llm"  # llm | gold
     max_new_tokens: int = 256
     top_p: float = 1.0
-    constrained_tool_calls: bool = False  # xgrammar: every tool call the model starts is schema-valid
+    constrained_tool_calls: bool = False  # xgrammar: every tool call the model starts (a started call) is schema-valid
     tool_choice: str = "auto"  # auto (text or a call) | required (every turn a call; needs constrained_tool_calls)
     copy_ids: bool = False  # narrow id arguments to ids seen in the conversation (needs constrained_tool_calls)
     batch_size: int = 8
-    prefix_cache_mib: float = 1024  # in-process models: K/V of prompt prefixes kept for reuse (0: off)
+    # in-process models: K/V of prompt prefixes (a turn's conversation so far, a shared system prompt) kept to skip
+    # their prefill in later prompts; 0: off
+    prefix_cache_mib: float = 1024
 
     RANGES: ClassVar[dict[str, str]] = {"max_new_tokens": ">= 1", "top_p": "(0, 1]", "batch_size": ">= 1",
                                         "prefix_cache_mib": PREFIX_CACHE_MIB}
@@ -176,7 +178,7 @@ class EvalConfig:
     mode: str = "greedy"  # greedy (T=0, seed 42) | stochastic (T=0.7, 3 seeds, mean +- 95% CI)
     methods: list[str] = field(default_factory=lambda: ["base"])  # rows of the results table
     temperature: float = 0.0
-    seeds: list[int] = field(default_factory=lambda: [42])
+    seeds: list[int] = field(default_factory=lambda: [42])  # one sampled run per entry (stochastic); greedy: the seed
     max_steps: int = 50
     context_budget: int = 32000
     benchmark: str | None = None  # a conf/benchmark name: evaluate every policy there (paper Table 8); None: the target
@@ -204,7 +206,7 @@ class RolloutConfig:
 
 @dataclass
 class LoggerConfig:
-    kind: str = "wandb"  # wandb | none
+    kind: str = "wandb"  # wandb (offline by default: no key, no network; `wandb sync` uploads later) | none
     project: str = "tracekit"
     mode: str = "offline"
     entity: str | None = None

@@ -157,7 +157,8 @@ class LauncherSettings:
     command: str = "torchrun"  # torchrun | deepspeed
     master_port: int | None = None  # None: a free port
     # capability GRPO runs trained at once by the train stage, each in its own process (one small model uses a
-    # sliver of a GPU; the env steps of several runs fill the CPU cores); 1: one after another, in process
+    # sliver of a GPU, e.g. 4 on one H200 for a 135M backbone; the env steps of several runs fill the CPU cores); 1:
+    # one after another, in process. Same adapters either way (tests/test_train_concurrent.py)
     concurrent_runs: int = 1
 
     RANGES: ClassVar[dict[str, str]] = {"nproc": ">= 1", "master_port": "[1, 65535]", "concurrent_runs": ">= 1"}
