@@ -22,7 +22,8 @@ from tracekit.targets import target_of
 
 @dataclass
 class ConsolidationBudgetConfig:
-    episodes: int | None = None  # training episodes of strategies that train; None: the capability runs' summed
+    # training episodes of strategies that train; None: the capability runs' summed (iterations x T)
+    episodes: int | None = None
 
     RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
 

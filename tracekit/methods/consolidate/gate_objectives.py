@@ -83,9 +83,15 @@ class GateObjective:
         return self.words is None
 
 
+# consolidation.gate.objective; top-1 routing at inference whatever trains the gates
 GATE_OBJECTIVES: dict[str, GateObjective] = {o.name: o for o in (
+    # the paper's: CE on the GRPO rollouts' response tokens + lambda_LB * load balancing
     GateObjective("ce_lb", None),
+    # KL(softmax(adapter rewards / T) || mean gate probability), each adapter's reward measured greedily on every
+    # capability environment (official train/warmstart_gater.py, per_layer)
     GateObjective("soft_target", "soft-target", ("consolidation.gate.soft_target", *MEASURE_READS), soft_targets=True),
+    # GRPO on the gates alone from a warm start, one expert sampled per trajectory from the gate's prompt routing
+    # (official train/grpo_gater.py: lr 1e-3, clip 0.2, temperature 0.9, hints)
     GateObjective("grpo", "GRPO", ("consolidation.gate.grpo", *GRPO_READS), gate_grpo=True),
 )}
 PAPER_GATE = next(name for name, o in GATE_OBJECTIVES.items() if o.paper)
