@@ -48,6 +48,15 @@ def test_the_band_rule_is_the_composed_synthesis_groups(tmp_path):
     assert problem.startswith("planted finish: ") and "below minimum 0.400" in problem
 
 
+def test_the_bands_refuse_a_backbone_without_a_warm_start_in_one_line(tmp_path, capsys):
+    from tracekit.planted.bands import main
+
+    assert main(["--out", str(tmp_path / "out"), "experiment=micro", "backbone=tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("tracekit.planted.bands: error: the bands measure a planted warm start: backbone.planted is unset "
+                   "(experiment=micro or experiment=planted)")
+
+
 @pytest.mark.slow
 def test_the_bands_roll_out_through_the_stage_cache(tmp_path, monkeypatch):
     """The bands are cached rollouts of the target's validation split (seeds 0..n): a second call computes

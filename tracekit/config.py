@@ -88,7 +88,7 @@ class AgentConfig:
     kind: str = "llm"  # llm | gold
     max_new_tokens: int = 256
     top_p: float = 1.0
-    constrained_tool_calls: bool = False  # xgrammar: every tool call the model starts (a started call) is schema-valid
+    constrained_tool_calls: bool = False  # xgrammar: every tool call the model starts is schema-valid
     tool_choice: str = "auto"  # auto (text or a call) | required (every turn a call; needs constrained_tool_calls)
     copy_ids: bool = False  # narrow id arguments to ids seen in the conversation (needs constrained_tool_calls)
     batch_size: int = 8
@@ -140,7 +140,8 @@ class MoeConfig(GateTrainConfig):
     top_k: int = MoEConfig.top_k  # inference routing
     train_top_k: int | None = MoEConfig.train_top_k  # None: dense softmax mixture while training (the paper's formula)
     base_slot: bool = MoEConfig.include_base_slot  # an extra "no adapter" expert (as in the official code)
-    renormalize: bool = MoEConfig.renormalize  # top-k weights: raw softmax probabilities (official code) or renormalized
+    # top-k weights: raw softmax probabilities (official code) or renormalized
+    renormalize: bool = MoEConfig.renormalize
     # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) |
     # grouped_mm | masked_dense
     impl: str = MoEConfig.impl

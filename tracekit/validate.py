@@ -19,7 +19,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from tracekit.analysis.select import Thresholds
 from tracekit.analysis.settings import AnalysisSettings
-from tracekit.config import ConfigError, _check, eval_benchmark, owner_settings, imported_run_files, interpolation_message, read_imported_labels, read_pinned_dictionary
+from tracekit.config import ConfigError, _check, eval_benchmark, imported_run_files, interpolation_message, owner_settings, read_imported_labels, read_pinned_dictionary
 from tracekit.envs.pool import valid_setting as valid_env_workers
 from tracekit.llm.backbones import BACKBONES
 from tracekit.llm.base import EndpointError

@@ -103,6 +103,9 @@ def measure_mixes(cfg: DictConfig, demos_weak: list[Any], epochs: list[int], see
     """{"<n> demos, <e> epochs, T=<t>": bands} for each warm-start mix (empty lists: the config's own count, epochs;
     ``temperature`` None: ``grpo.temperature``); with ``out``, bands.json and bands.md rewritten after each mix (a
     killed calibration keeps what it measured)."""
+    if cfg.backbone.get("planted") is None:
+        raise ValueError("the bands measure a planted warm start: backbone.planted is unset (experiment=micro or "
+                         "experiment=planted)")
     planted = cfg.backbone.planted
     temperature = float(cfg.grpo.temperature if temperature is None else temperature)
     rows: dict[str, Any] = {}

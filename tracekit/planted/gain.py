@@ -336,7 +336,8 @@ def plan_variants(overrides: list[str], variants: list[str], training_seeds: lis
     seeds: dict[str, int] = {}
     for i, v in enumerate(variants or [""]):
         for seed in training_seeds or [None]:
-            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}", *init_seed(overrides, seed)]
+            reseed = ([] if seed is None else
+                      [f"seed={seed}", f"backbone.planted.seed={seed}", *init_seed(overrides, seed)])
             name = " ".join([v or "preset", *reseed]) if seed is not None else v or "preset"
             run_dir = out / "runs" / (f"variant{i}" + ("" if seed is None else f"-seed{seed}"))
             try:

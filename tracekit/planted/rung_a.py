@@ -7,8 +7,8 @@ out greedily on the same ``--n`` held-out instances of the capability's own libr
 (:func:`tracekit.runs.cached_rollout`, the run's cache) the evaluate stage makes of a target of that one
 environment, so a second call, or another rung over the same adapter, rolls nothing out again. The two arms are
 compared paired (:func:`tracekit.paired.paired_summary`: the difference, its task-cluster bootstrap 95% CI, fixed /
-broken, exact McNemar p). The target's own evaluation has 30 instances per environment; this rung needs the n its discordance
-asks for.
+broken, exact McNemar p). The target's own evaluation has 30 instances per environment; this rung needs the n its
+discordance asks for.
 
     python -m tracekit.planted.rung_a --run outputs/micro/run --n 200 --out benchmarks/results/micro/rung_a_seed0
 """

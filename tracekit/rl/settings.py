@@ -76,7 +76,8 @@ class GRPORecipe:
     # back to the OS (gc + malloc_trim): the update then runs beside one copy of the weights, not two (not a paper
     # setting)
     release_rollout_memory: bool = False
-    checkpoint_policy: str = "full"  # full (recompute whole layers) | selective (recompute elementwise ops; faster on 8B+)
+    # full (recompute whole layers) | selective (recompute elementwise ops only; faster on 8B+)
+    checkpoint_policy: str = "full"
     fused_update_kernels: bool = True  # LoRA as bf16 addmm (fp32 master weights), fused RMSNorm (rl/fused.py)
     # torch.compile the decoder layers of the update, checkpointing inside (~12 s compile; 1.7B selective: 16.6% ->
     # 37.0% MFU)

@@ -117,9 +117,9 @@ def sft_examples(adapter_dirs: Iterable[str | Path], successes_only: bool = True
     """Exact training rows from GRPO runs' rollouts: ``(token_ids, loss_mask)`` per row.
 
     ``adapter_dirs``: GRPO adapter artifact dirs, each with ``rollouts/iter_*.jsonl`` written with
-    ``GRPOSettings.save_rollouts="full"``, as every tracekit run writes them (trajectories carry ``info['turns']``). Every trajectory (successful
-    ones only by default) becomes the rows ``tokens.build_rows`` makes of its turns: the assistant's
-    sampled tokens are masked in, everything else is context. Order: dirs as given, files by name,
+    ``GRPOSettings.save_rollouts="full"``, as every tracekit run writes them (trajectories carry
+    ``info['turns']``). Every trajectory (successful ones only by default) becomes the rows ``tokens.build_rows``
+    makes of its turns: the assistant's sampled tokens are masked in, everything else is context. Order: dirs as given, files by name,
     lines in order (deterministic; :func:`train_sft` shuffles with its seed). Duplicates are kept
     (a behaviour that succeeded often weighs more, as in the rollouts).
     """
