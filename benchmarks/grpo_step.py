@@ -585,6 +585,7 @@ def build_trainer(arch: str, dev: torch.device, out_dir: str, *, lora_rank: int,
         lora=LoraSettings(rank=lora_rank, alpha=2 * lora_rank, target_modules=modules, target_parameters=params),
         dtype="bfloat16" if dev.type == "cuda" else "float32",
         num_minibatches=1, microbatch_tokens=microbatch_tokens, logprob_chunk=logprob_chunk, seed=0,
+        gradient_checkpointing=False,  # the plain update, as measured before the recipe's default turned it on
     )  # fmt: skip
     tr = GRPOTrainer(model, tok, KeywordSuite(), settings, out_dir, device=dev, engine_factory=lambda m, t: None)
     _free(dev)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     before = success(model(), "before")
     settings = GRPOSettings(iterations=a.iterations, groups=8, group_size=8, lr=1e-3, max_new_tokens=48, max_steps=8,
                             max_prompt_tokens=512, num_minibatches=1, lora=LoraSettings(rank=8, alpha=16), seed=0,
-                            rollout_batch_size=64, checkpoint_every=10**9)
+                            rollout_batch_size=64, checkpoint_every=10**9, gradient_checkpointing=False)  # micro's
     train = LibraryTargetSuite("train", [a.kind], n_per_env=8 * a.iterations, seed_offset=TRAIN_SEED_OFFSET,
                                extra_envs=KINDS)
     try:

@@ -346,7 +346,7 @@ def grpo_two_iterations(args, target: Target, work: Path) -> dict[str, Any]:
     settings = GRPOSettings(iterations=2, groups=8, group_size=8, lr=1e-3, max_new_tokens=48, max_steps=8,
                             max_prompt_tokens=target.max_model_len - 48, num_minibatches=1,
                             lora=LoraSettings(rank=8, alpha=16), seed=0, rollout_batch_size=64, checkpoint_every=100,
-                            old_logprobs="recompute")
+                            old_logprobs="recompute", gradient_checkpointing=False)
     engines: list[VLLMEngine] = []
 
     def factory(model, tok):

@@ -243,3 +243,41 @@ def test_grpo_target_keeps_checkpoints_by_its_own_setting(make_cfg):
         assert "grpo.checkpoint_every" not in reads and "grpo.keep_checkpoints" not in reads and "grpo" not in reads
         assert "grpo.lr" in reads and f"baselines.{name}" in reads
     assert "grpo" in pipe.reads(make_cfg(), "train")  # the capability runs keep grpo.checkpoint_every's checkpoints
+
+
+# the groups whose every knob a settings class declares (benchmark and backbone files are specs of a target and a
+# model: they name their values whole); a file may name its option (kind, mode, ...) even where that is the default
+OWNED_GROUPS = ("agent", "user", "eval", "thresholds", "analysis", "synthesis", "grpo", "moe", "consolidation",
+                "baselines", "launcher", "logger")
+OPTION_KEYS = ("kind", "mode", "source", "discovery", "labeler", "method")
+
+
+def _leaves(node, prefix):
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_dict(node) and len(node) > 0:
+        for k in node:
+            yield from _leaves(node._get_node(k), f"{prefix}.{k}")
+    else:
+        yield prefix, node
+
+
+@pytest.mark.parametrize("group", OWNED_GROUPS)
+def test_a_group_file_sets_only_what_differs_from_its_class_defaults(group):
+    """One place for each knob's default (issue 51): the settings class; a conf/<group>/*.yaml file names its option
+    and sets what differs (an interpolation such as ${seed} is a value of its own)."""
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(config_schema())
+    restated = []
+    for path in sorted((ROOT / "conf" / group).glob("*.yaml")):
+        data = OmegaConf.load(path)
+        for key, node in _leaves(data, group) if data else ():  # a file of comments alone sets nothing
+            if key.rsplit(".", 1)[1] in OPTION_KEYS or "${" in str(node._value()):
+                continue
+            default = OmegaConf.select(schema, key, throw_on_missing=False)
+            have = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node._value()
+            default = OmegaConf.to_container(default) if OmegaConf.is_config(default) else default
+            if have == default and type(have) is type(default):
+                restated.append(f"{path.relative_to(ROOT)}: {key}")
+    assert not restated, f"restated class defaults (set them in the class, or drop them): {restated}"

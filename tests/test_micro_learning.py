@@ -86,7 +86,7 @@ def test_grpo_on_a_micro_environment_raises_held_out_success(tmp_path):
     before = _success(model, tokenizer, tmp_path / "before")
     settings = GRPOSettings(iterations=ITERATIONS, groups=8, group_size=8, lr=1e-3, max_new_tokens=48, max_steps=8,
                             max_prompt_tokens=512, num_minibatches=1, lora=LoraSettings(rank=8, alpha=16), seed=0,
-                            rollout_batch_size=64, checkpoint_every=100)
+                            rollout_batch_size=64, checkpoint_every=100, gradient_checkpointing=False)  # micro's
     train = LibraryTargetSuite("train", [WEAK_ENV], n_per_env=8 * ITERATIONS, seed_offset=TRAIN_SEED_OFFSET)
     try:
         adapter = GRPOTrainer(model, tokenizer, train, settings, tmp_path / "grpo").train()

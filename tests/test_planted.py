@@ -191,11 +191,37 @@ def test_planted_pipeline_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     assert {c: r["succeeded"] for c, r in record["demonstrations"].items()} == {c: 1 for c in STRONG + WEAK}
     v = run_variant(compose_variant([*ov, "thresholds.delta=0.0", "thresholds.rho=0.0"], tmp_path / "gain"),
                     tmp_path / "gain")
+    from tracekit.planted.rung_a import rung_a
+
+    # rung a: each adapter and Base on held-out instances of its environment, cached rollouts of the run's cache
+    rung = rung_a(tmp_path / "gain", tmp_path / "rung", n=1)
+    computed = json.loads((tmp_path / "rung" / "artifacts.json").read_text())
+    assert set(rung) <= set(STRONG + WEAK) and rung and all(r["n_episodes"] == 1 for r in rung.values())
+    assert {e for r in rung.values() for e in r["episodes"].values()} == set(computed)
+    assert rung_a(tmp_path / "gain", tmp_path / "rung", n=1) == rung
+    assert all(a["cache_hit"] for a in json.loads((tmp_path / "rung" / "artifacts.json").read_text()).values())
     table = report({"preset": v}, tmp_path / "out")
     assert {"Base", "TRACE"} <= set(table["preset"]["rows"])
     assert (tmp_path / "out" / "planted_curves.png").is_file() and (tmp_path / "out" / "planted_gain.md").is_file()
     gate = (tmp_path / "out" / "planted_gate.md").read_text()
     assert "before training" in gate and "Routing on held-out response tokens" in gate
+
+
+def test_gain_plans_each_variant_and_training_seed_as_one_run(tmp_path, monkeypatch):
+    """The search's runs, composed before any runs: one per variant and training seed, each its own run directory,
+    the seed table's seeds only with one variant; a world-tokenizer backbone reseeds its initial weights too."""
+    from tracekit.planted.gain import plan_variants
+
+    monkeypatch.chdir(tmp_path)
+    planned, seeds = plan_variants(["experiment=micro"], [], [0, 1], tmp_path)
+    assert list(planned) == ["preset seed=0 backbone.planted.seed=0",
+                             "preset seed=1 backbone.planted.seed=1 +backbone.planted.init_seed=1"]
+    assert seeds == dict(zip(planned, [0, 1]))
+    (cfg0, dir0), (cfg1, dir1) = planned.values()
+    assert (dir0, dir1) == (tmp_path / "runs" / "variant0-seed0", tmp_path / "runs" / "variant0-seed1")
+    assert (cfg0.seed, cfg1.seed, cfg1.backbone.planted.init_seed) == (0, 1, 1)
+    planned, seeds = plan_variants(["experiment=micro"], ["grpo.lr=1e-4", "grpo.lr=1e-3"], [0], tmp_path)
+    assert [c.grpo.lr for c, _ in planned.values()] == [1e-4, 1e-3] and seeds == {}
 
 
 def test_gain_refuses_a_bad_variant_before_running_any(tmp_path, monkeypatch, capsys):

@@ -435,12 +435,9 @@ def test_settings_validation():
     assert (s.health_kl_ref, s.skip_saturated, s.early_stop_patience, s.early_stop_min_delta) == (False, False, 0, 0.0)
 
 
-def test_paper_config_declares_the_settings_off():
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "grpo" / "paper.yaml")
+def test_the_paper_recipe_has_the_settings_off(make_cfg):
+    """The grpo group (conf/grpo/paper.yaml over the class defaults) leaves every health and control setting off."""
+    cfg = make_cfg("experiment=paper").grpo
     assert (cfg.health_kl_ref, cfg.skip_saturated, cfg.early_stop_patience, cfg.early_stop_min_delta) == (False, False, 0, 0.0)
 
 

@@ -183,7 +183,7 @@ def test_sft_examples_take_successful_trajectories_of_every_adapter(tmp_path):
     row = _traj(t1, True)
     row["info"] = {}
     (tmp_path / "msgs" / "rollouts" / "iter_00000.jsonl").write_text(json.dumps(row) + "\n")
-    with pytest.raises(ValueError, match="save_rollouts=messages"):
+    with pytest.raises(ValueError, match=r"has no token turns \(written with GRPOSettings.save_rollouts='messages'"):
         sft_examples([tmp_path / "msgs"])
     with pytest.raises(ValueError, match="no rollouts"):
         sft_examples([tmp_path / "nothing"])

@@ -31,6 +31,7 @@ from tracekit.llm.decoding import PREFIX_CACHE_MIB
 from tracekit.llm.tools import CHAT_FORMATS
 from tracekit.moe.gate import GateTrainConfig
 from tracekit.moe.layer import MOE_IMPLS
+from tracekit.moe.model import MoEConfig
 from tracekit.ranges import DTYPES, Choice
 from tracekit.rl.settings import GRPORecipe, GRPOSettings
 
@@ -91,7 +92,9 @@ class AgentConfig:
     tool_choice: str = "auto"  # auto (text or a call) | required (every turn a call; needs constrained_tool_calls)
     copy_ids: bool = False  # narrow id arguments to ids seen in the conversation (needs constrained_tool_calls)
     batch_size: int = 8
-    prefix_cache_mib: float = 1024  # in-process models: K/V of prompt prefixes kept for reuse (0: off)
+    # in-process models: K/V of prompt prefixes (a turn's conversation so far, a shared system prompt) kept to skip
+    # their prefill in later prompts; 0: off
+    prefix_cache_mib: float = 1024
 
     RANGES: ClassVar[dict[str, str]] = {"max_new_tokens": ">= 1", "top_p": "(0, 1]", "batch_size": ">= 1",
                                         "prefix_cache_mib": PREFIX_CACHE_MIB}
@@ -115,9 +118,11 @@ class GrpoConfig(GRPORecipe):
     """The recipe plus the rollout engine (hf in process | vllm server with LoRA sync). What a run keeps of its
     rollouts is no knob: every tracekit run keeps them ``full`` (:func:`tracekit.runs.grpo_run`)."""
 
+    # hf (in process) | agent (in process, the agent's client: its tool-call grammar) | vllm (a managed `vllm serve`,
+    # adapter-only sync)
     engine: str = "hf"
-    # engine=vllm: tracekit.rl.vllm_client.VLLMSettings fields (model_path required); validate() checks the keys, the
-    # values and the engine's rules, and refuses them under another engine
+    # engine=vllm: +grpo.vllm.<field>=... (tracekit.rl.vllm_client.VLLMSettings fields; model_path required);
+    # validate() checks the keys, the values and the engine's rules, and refuses them under another engine
     vllm: dict[str, Any] = field(default_factory=dict)
 
     def settings(self, save_rollouts: str) -> GRPOSettings:
@@ -131,12 +136,16 @@ class GrpoConfig(GRPORecipe):
 class MoeConfig(GateTrainConfig):
     """The gate's training knobs (:class:`tracekit.moe.gate.GateTrainConfig`) plus the routing and the gate's data."""
 
-    top_k: int = 1  # inference routing
-    train_top_k: int | None = None  # None: dense softmax mixture while training (the paper's formula)
-    base_slot: bool = False  # an extra "no adapter" expert (as in the official code)
-    renormalize: bool = False  # top-k weights: raw softmax probabilities (official code) or renormalized
-    impl: str = "grouped"  # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) | grouped_mm | masked_dense
-    gate_init_std: float = 0.0  # 0: uniform routing at the start
+    # the routing knobs' defaults are the composed model's (tracekit.moe.model.MoEConfig), the one place they live
+    top_k: int = MoEConfig.top_k  # inference routing
+    train_top_k: int | None = MoEConfig.train_top_k  # None: dense softmax mixture while training (the paper's formula)
+    base_slot: bool = MoEConfig.include_base_slot  # an extra "no adapter" expert (as in the official code)
+    # top-k weights: raw softmax probabilities (official code) or renormalized
+    renormalize: bool = MoEConfig.renormalize
+    # top-k compute: grouped (pairs sorted by expert on device; _grouped_mm on CUDA bf16, per-expert loop elsewhere) |
+    # grouped_mm | masked_dense
+    impl: str = MoEConfig.impl
+    gate_init_std: float = MoEConfig.gate_init_std  # 0: uniform routing at the start
     gate_data: str = "successes"  # GRPO rollouts the gate trains on: successes (paper) | all
     trajectories_per_capability: int = 32
 
@@ -170,7 +179,7 @@ class EvalConfig:
     mode: str = "greedy"  # greedy (T=0, seed 42) | stochastic (T=0.7, 3 seeds, mean +- 95% CI)
     methods: list[str] = field(default_factory=lambda: ["base"])  # rows of the results table
     temperature: float = 0.0
-    seeds: list[int] = field(default_factory=lambda: [42])
+    seeds: list[int] = field(default_factory=lambda: [42])  # one sampled run per entry (stochastic); greedy: the seed
     max_steps: int = 50
     context_budget: int = 32000
     benchmark: str | None = None  # a conf/benchmark name: evaluate every policy there (paper Table 8); None: the target
@@ -198,7 +207,7 @@ class RolloutConfig:
 
 @dataclass
 class LoggerConfig:
-    kind: str = "wandb"  # wandb | none
+    kind: str = "wandb"  # wandb (offline by default: no key, no network; `wandb sync` uploads later) | none
     project: str = "tracekit"
     mode: str = "offline"
     entity: str | None = None
@@ -231,6 +240,17 @@ def _check(ok: bool, key: str, value: Any, valid: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: must be {valid}")
 
+
+def owner_settings(cfg: DictConfig, group: str, schema: type) -> Any:
+    """The owner's settings class ``schema`` built from the config group ``group`` (its fields only), so that the
+    owner's own cross-field rules run: a ValueError of theirs is a one-line ConfigError."""
+    values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
+    try:
+        return schema(**{k: v for k, v in values.items() if k in {f.name for f in fields(schema)}})
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def read_pinned_dictionary(cfg: DictConfig) -> list[Any]:

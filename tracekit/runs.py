@@ -15,10 +15,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
-from tracekit.artifacts import Artifact, CorruptArtifact, atomic_write_json, read_json
+from tracekit.artifacts import Artifact, CorruptArtifact, StageCache, atomic_write_json, read_json
 from tracekit.config import GrpoConfig, eval_benchmark
 from tracekit.envs.pool import pooled
-from tracekit.pipeline import StageContext
+from tracekit.pipeline import RunRecord, StageContext
 from tracekit.policy import Policy
 from tracekit.rl.launch import Factory, TrainSpec, train
 from tracekit.rl.settings import LauncherSettings
@@ -35,21 +35,27 @@ from tracekit.wiring import (AGENT_ENGINE_READS, backbone_dict, build_agent, bui
 # cached rollouts and their trajectories
 
 
-def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None = None) -> Artifact:
+def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None = None,
+                   split: str | None = None) -> Artifact:
     """Roll the agent under ``policy`` (a :class:`tracekit.policy.Policy`; None: the base agent) out on the
     benchmark (``cfg``'s, by default the stage's), cached under ``episodes/<key>``: keyed on the policy's content, so
-    methods that produce the same weights share one rollout."""
+    methods that produce the same weights share one rollout. ``split``: the target's tasks other than the evaluated
+    ones (a library target's ``validation`` instances: the planted bands); None, the evaluated tasks."""
     policy = policy or Policy()
     cfg = ctx.cfg if cfg is None else cfg
-    key = stable_hash({"reads": select(cfg, rollout_reads(cfg)), "policy": policy.identity()}, length=20)
+    identity = {"reads": select(cfg, rollout_reads(cfg)), "policy": policy.identity()}
+    if split is not None:  # absent for the evaluated tasks: every stage's rollout keeps its key
+        identity["split"] = split
+    key = stable_hash(identity, length=20)
 
     def compute(work: Path) -> None:
-        suite = build_suite(cfg)
+        suite = build_suite(cfg, split)
         try:
             weights = {} if policy.weights is None else {policy.kind: str(policy.weights.path / policy.subdir)}
             agent = build_agent(cfg, **weights, system_prompt_suffix=policy.system_prompt_suffix)
             greedy = cfg.eval.temperature == 0
-            with pooled(suite, lambda: suite_spec(cfg), env_workers(cfg), reply_timeout=env_reply_timeout(cfg)) as stepped:
+            with pooled(suite, lambda: suite_spec(cfg, split), env_workers(cfg),
+                        reply_timeout=env_reply_timeout(cfg)) as stepped:
                 summary = run_rollouts(
                     stepped, agent, work, samples=1 if greedy else len(cfg.eval.seeds),
                     seed=cfg.eval.seeds[0] if greedy else cfg.seed, max_steps=cfg.eval.max_steps,
@@ -67,6 +73,14 @@ def cached_rollout(ctx: StageContext, policy: Any = None, cfg: DictConfig | None
     art = ctx.cache.get_or_compute("episodes", key, compute, meta={"policy": policy.identity()})
     ctx.use(art, time.time() - t0)
     return art
+
+
+def tool_rollout(cfg: DictConfig, policy: Policy, cache: StageCache, record: RunRecord,
+                 split: str | None = None) -> Artifact:
+    """:func:`cached_rollout` outside a pipeline run (the planted experiment tools: rung a, the bands): the same
+    ``episodes/<key>`` entry of ``cache`` a stage reads or makes, recorded in ``record`` (its ``artifacts.json``)."""
+    record.run_dir.mkdir(parents=True, exist_ok=True)
+    return cached_rollout(StageContext(cfg, "episodes", record.run_dir, {}, cache, record), policy, cfg, split)
 
 
 def read_trajectories_dir(art: Artifact) -> list[Any]:

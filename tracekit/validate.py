@@ -19,7 +19,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from tracekit.analysis.select import Thresholds
 from tracekit.analysis.settings import AnalysisSettings
-from tracekit.config import ConfigError, _check, eval_benchmark, imported_run_files, interpolation_message, read_imported_labels, read_pinned_dictionary
+from tracekit.config import ConfigError, _check, eval_benchmark, imported_run_files, interpolation_message, owner_settings, read_imported_labels, read_pinned_dictionary
 from tracekit.envs.pool import valid_setting as valid_env_workers
 from tracekit.llm.backbones import BACKBONES
 from tracekit.llm.base import EndpointError
@@ -31,9 +31,7 @@ from tracekit.planted.shipped import verify_shipped
 from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
 from tracekit.report.preset import check_built_on
 from tracekit.ranges import check_choice, check_value, declared, field_hints
-from tracekit.rl.distill import DistillSettings
 from tracekit.rl.settings import GRPORecipe, LauncherSettings
-from tracekit.rl.sft import SFTSettings
 from tracekit.rl.vllm_client import check_recipe, vllm_settings
 from tracekit.schema import config_schema, stage_names
 from tracekit.synthesis.settings import SynthesisConfig
@@ -216,25 +214,9 @@ def _validate(cfg: DictConfig) -> None:
         _check(t.n == len(runs), "thresholds.n", t.n,
                f"{len(runs)} with analysis.labeler=imported: the number of run files in {a.labels_from}")
     for group, schema in (("thresholds", Thresholds), ("analysis", AnalysisSettings), ("synthesis", SynthesisConfig),
-                          ("grpo", GRPORecipe), ("launcher", LauncherSettings), ("consolidation.sft", SFTSettings),
-                          ("consolidation.distill", DistillSettings)):
-        values = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=True)
-        try:  # the owners' own cross-field checks (thresholds.k <= n; tis_cap needs old_logprobs=recompute)
-            schema(**{k: v for k, v in values.items() if k in {f.name for f in fields(schema)}})
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if cfg.consolidation.method == "moe" and cfg.consolidation.gate.objective == "grpo":
-        gr = cfg.consolidation.gate.grpo
-        # GRPO learns only from groups whose rewards differ: a group of one never does, whatever else varies
-        _check(gr.group_size >= 2, "consolidation.gate.grpo.group_size", gr.group_size,
-               ">= 2 with consolidation.gate.objective=grpo (a group of one rollout has no reward variance: "
-               "GRPO's advantage is 0)")
-        _check(not cfg.moe.base_slot, "moe.base_slot", True,
-               "false with consolidation.gate.objective=grpo (each trajectory's expert is a capability adapter; the "
-               "base slot has none to roll out)")
-    STRATEGIES[cfg.consolidation.method].validate(cfg)  # the strategy's own refusals (issue 53)
-    _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
-           cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
+                          ("grpo", GRPORecipe), ("launcher", LauncherSettings)):
+        owner_settings(cfg, group, schema)  # the owners' own cross-field checks (thresholds.k <= n; tis_cap needs ...)
+    STRATEGIES[cfg.consolidation.method].validate(cfg)  # the strategy's own refusals, its settings' rules included
     if cfg.grpo.engine == "agent" and cfg.agent.constrained_tool_calls:
         _check(cfg.grpo.old_logprobs == "recompute", "grpo.old_logprobs", cfg.grpo.old_logprobs,
                "recompute with grpo.engine=agent and constrained tool calls (the sampler's log-probs are masked)")

@@ -61,7 +61,7 @@ class DiscoveryConfig:
     prompt: str = "discovery_v1"
     prompt_chars: int = 24000  # budget of the trajectories block
     prompt_tokens: int | None = None  # token budget of that block (counted with the client)
-    compact: CompactConfig = field(default_factory=lambda: CompactConfig(max_chars=3000))
+    compact: CompactConfig = field(default_factory=CompactConfig)  # analysis.compact_chars' default, as the runs use
     use_response_format: bool = True
     pinned: str | None = None
 

@@ -72,7 +72,8 @@ class Labeler(Protocol):
 class LabelingConfig:
     """LLM labeling settings (the number of runs and the base seed are stage arguments).
 
-    ``capabilities_per_call``: 0 = the whole dictionary in one call per trajectory and run.
+    ``capabilities_per_call``: 0 = the whole dictionary in one call per trajectory and run. These defaults are the
+    ``analysis`` group's (:class:`tracekit.analysis.settings.AnalysisSettings` takes them from here).
     ``chunk_size``: requests handed to ``client.chat`` at once (the unit of concurrency and of
     checkpointing). ``on_missing``: ``skip`` records unobtainable labels as missing and goes on;
     ``fail`` raises :class:`LabelingError`. ``show_outcome``: tell the labeler whether the episode
@@ -81,7 +82,7 @@ class LabelingConfig:
 
     temperature: float = 0.7
     top_p: float = 1.0
-    capabilities_per_call: int = 0
+    capabilities_per_call: int = 10  # the paper's (the analysis group's default)
     max_attempts: int = 3
     max_new_tokens: int = 1024
     chunk_size: int = 16

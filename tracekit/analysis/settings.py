@@ -31,19 +31,23 @@ class AnalysisSettings:
     dictionary_path: str | None = None  # discovery=pinned: the dictionary file
     labels_from: str | None = None  # labeler=imported: a folder of the official TRACE labeling runs (run_NN.json)
     endpoint: str = "analysis"  # a key of llm.endpoints (discovery / labeler = llm)
-    temperature: float = 0.7
-    capabilities_per_call: int = 10
-    max_retries: int = 2
-    on_missing: str = "skip"
-    compact_chars: int = 6000
+    # the LLM calls' knobs: their defaults are the runtime classes' (LabelingConfig, DiscoveryConfig, CompactConfig),
+    # the one place each lives; discovery_config / labeling_config build those classes from these values
+    temperature: float = LabelingConfig.temperature  # the labeling calls' (discovery samples at its own, 0)
+    capabilities_per_call: int = LabelingConfig.capabilities_per_call  # 0: the whole dictionary in one call
+    max_retries: int = LabelingConfig.max_attempts - 1  # per call, after the first attempt
+    on_missing: str = LabelingConfig.on_missing
+    compact_chars: int = CompactConfig.max_chars  # each compacted trajectory's budget
     label_noise: float = 0.0  # reference labeler: seeded flip rate emulating annotator variance
     examples_per_capability: int = 3
-    chunk_size: int = 16  # labeling requests per client call (concurrency + checkpoint unit)
-    show_outcome: bool = True  # tell the labeler whether the episode succeeded (the paper contrasts outcomes)
-    use_response_format: bool = True  # JSON schema to the endpoint (grammar-constrained on the hf client)
-    min_capabilities: int = 5
-    max_capabilities: int = 10
-    max_new_tokens: int = 1024
+    chunk_size: int = LabelingConfig.chunk_size  # labeling requests per client call (concurrency + checkpoint unit)
+    # tell the labeler whether the episode succeeded (the paper contrasts outcomes)
+    show_outcome: bool = LabelingConfig.show_outcome
+    # JSON schema to the endpoint (grammar-constrained on the hf client)
+    use_response_format: bool = LabelingConfig.use_response_format
+    min_capabilities: int = DiscoveryConfig.min_capabilities
+    max_capabilities: int = DiscoveryConfig.max_capabilities
+    max_new_tokens: int = LabelingConfig.max_new_tokens
 
     RANGES: ClassVar[dict[str, str]] = {
         "temperature": "[0, 2]", "capabilities_per_call": ">= 0", "max_retries": ">= 0", "compact_chars": ">= 200",

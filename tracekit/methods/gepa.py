@@ -60,10 +60,14 @@ log = logging.getLogger(__name__)
 class GepaSettings:
     """gepa: the ``gepa`` package's optimize loop over the capabilities block of the system prompt."""
 
-    endpoint: str = "analysis"  # the reflection LM: a key of llm.endpoints
-    max_metric_calls: int | None = None  # target training episodes GEPA may roll out; None: TRACE's episodes (matched)
+    endpoint: str = "analysis"  # the reflection LM: a key of llm.endpoints (llm=local: the backbone in process)
+    # target training episodes GEPA may roll out (each rolled-out episode is one metric call); None: TRACE's episodes
+    # (matched)
+    max_metric_calls: int | None = None
     reflection_minibatch_size: int = 3  # gepa's default
-    valset_size: int | None = None  # training tasks held out for GEPA's Pareto tracking; None: auto (see methods/gepa.py)
+    # training tasks held out for GEPA's Pareto tracking; None: auto (a tenth of the budget, at most half the
+    # training tasks)
+    valset_size: int | None = None
     train_limit: int | None = None  # target training tasks GEPA draws from (official: 200 seeds); None: all
     candidate_selection: str = "pareto"  # pareto | current_best | epsilon_greedy | top_k_pareto (gepa's strategies)
     module_selector: str = "round_robin"  # round_robin (one capability description per proposal) | all

@@ -37,8 +37,11 @@ class GrpoTargetSettings:
     """grpo_target: the ``grpo`` recipe on the target's own training tasks with the target's reward."""
 
     episodes: int | None = None  # training episodes; None: TRACE's per-capability GRPO episodes summed (matched)
-    train_limit: int | None = None  # tau2: first n train-split tasks per domain (None: all); synthetic: instances per env (None: one per group)
-    checkpoint_iterations: int | None = None  # a kept checkpoint every n iterations (Figure 4b); None: grpo.iterations
+    # tau2: first n train-split tasks per domain (None: all, split_tasks.json); synthetic: instances per env (None:
+    # one per group); coding (swe_rl): None, the whole train split
+    train_limit: int | None = None
+    # a kept checkpoint every n iterations (Figure 4b's points); None: grpo.iterations (one capability run's worth)
+    checkpoint_iterations: int | None = None
 
     RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1", "train_limit": ">= 1", "checkpoint_iterations": ">= 1"}
 

@@ -38,7 +38,9 @@ class UntargetedSettings:
     """untargeted_synthetic: GRPO on every library environment of the target's family, uniformly (AWM-style control)."""
 
     episodes: int | None = None  # None: TRACE's per-capability GRPO episodes summed (matched)
-    envs_dir: str | None = None  # a folder of environment packages (<dir>/<name>/env.json) to use instead
+    # a folder of environment packages (<dir>/<name>/env.json; e.g. converted AWM environments) to use instead of
+    # the library
+    envs_dir: str | None = None
 
     RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
     CHOICES: ClassVar[dict[str, Choice]] = {"envs_dir": r".+"}  # a folder of environment packages (checked in validate())

@@ -1,12 +1,23 @@
 """A planted-deficit testbed (issue 21): a base agent with known strengths and gaps, to score TRACE's analysis
 against the gaps it was given and to measure what training on them gains.
 
-- :mod:`tracekit.planted.warmstart`: the warm start. SFT of the bundled backbone on ground-truth
-  demonstrations of the library environments of the *strong* capabilities (and few or none of the *weak*
-  ones, the planted set), merged into the weights and cached as a backbone folder with its record
-  (``planted.json``: the planted set, the demonstrations' seeds and counts, the SFT seed and settings).
-  ``backbone.planted`` in the config selects it; every stage's key holds it (``wiring.backbone_dict``).
-- :mod:`tracekit.planted.score`: precision and recall of the selected capabilities against the planted set,
-  over seeds and a delta/rho grid (only ``select`` reruns), as a table and a figure.
+The warm start (the planted base agent, a backbone source):
+
+- :mod:`tracekit.planted.warmstart`: SFT of the bundled backbone on ground-truth demonstrations of the library
+  environments of the *strong* capabilities (and few or none of the *weak* ones, the planted set), merged into the
+  weights and cached as a backbone folder with its record (``planted.json``: the planted set, the demonstrations'
+  seeds and counts, the SFT seed and settings). ``backbone.planted`` in the config selects it; every stage's key
+  holds it (``wiring.backbone_dict``). :mod:`tracekit.planted.shipped`: the warm starts shipped in the repository.
+
+The experiment tools, each a thin ``main`` over library functions the tests call; every run they make goes through
+the pipeline and the stage cache (the app's stages, or :func:`tracekit.runs.cached_rollout`'s episodes), so a
+second call, or one after the app, recomputes nothing:
+
+- :mod:`tracekit.planted.gain`: Base / Single / TRACE on the held-out target per variant and training seed (runs of
+  the app), as a table with paired intervals, the GRPO curves and the gate report;
+- :mod:`tracekit.planted.score`: precision and recall of the selected capabilities against the planted set, over
+  seeds and a delta/rho grid (only ``select`` reruns), as a table and a figure;
+- :mod:`tracekit.planted.rung_a`: each capability's adapter against Base on held-out instances of its environment;
+- :mod:`tracekit.planted.bands`: where the warm start's capabilities land against the official calibration gate;
 - :mod:`tracekit.planted.curves`: the per-capability GRPO learning curves (reward, informative-group rate).
 """

@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
 from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.cli import compose_config, task
 from tracekit.config import ConfigError
@@ -324,6 +327,39 @@ def init_seed(overrides: list[str], seed: int) -> list[str]:
     return [f"+backbone.planted.init_seed={seed}"] if world else []
 
 
+def plan_variants(overrides: list[str], variants: list[str], training_seeds: list[int],
+                  out: Path) -> tuple[dict[str, tuple[Any, Path]], dict[str, int]]:
+    """Every run of the search, composed and validated before any runs (a refused one costs no GPU time spent on
+    the others): ({name: (config, run directory)}, {name: training seed} for the seed table, only with one
+    variant). Raises ``ValueError`` naming the variant that is refused."""
+    planned: dict[str, tuple[Any, Path]] = {}
+    seeds: dict[str, int] = {}
+    for i, v in enumerate(variants or [""]):
+        for seed in training_seeds or [None]:
+            reseed = ([] if seed is None else
+                      [f"seed={seed}", f"backbone.planted.seed={seed}", *init_seed(overrides, seed)])
+            name = " ".join([v or "preset", *reseed]) if seed is not None else v or "preset"
+            run_dir = out / "runs" / (f"variant{i}" + ("" if seed is None else f"-seed{seed}"))
+            try:
+                planned[name] = (compose_variant([*overrides, *shlex.split(v), *reseed], run_dir), run_dir)
+            except (ConfigError, HydraException, OmegaConfBaseException) as e:
+                raise ValueError(f"variant {name!r}: {' '.join(str(e).split())}") from None
+            if seed is not None and len(variants) <= 1:
+                seeds[name] = seed
+    return planned, seeds
+
+
+def run_search(planned: dict[str, tuple[Any, Path]], out: Path, seeds: dict[str, int]) -> dict[str, Any]:
+    """Run each planned variant through the app (every stage cached), the report rewritten after each: a killed
+    search keeps what it measured. The last report's table."""
+    variants: dict[str, Any] = {}
+    table: dict[str, Any] = {}
+    for name, (cfg, run_dir) in planned.items():
+        variants[name] = run_variant(cfg, run_dir)
+        table = report(variants, out, seeds)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tracekit.planted.gain", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs/planted"))
@@ -333,29 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. experiment=planted)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-
-    # every variant composed and validated first: a refused one costs no (GPU) time spent on the others
-    planned = {}
-    seeds: dict[str, int] = {}
-    for i, v in enumerate(a.variant or [""]):
-        for seed in a.training_seeds or [None]:
-            reseed = [] if seed is None else [f"seed={seed}", f"backbone.planted.seed={seed}", *init_seed(a.overrides, seed)]
-            name = " ".join([v or "preset", *reseed]) if seed is not None else v or "preset"
-            run_dir = a.out / "runs" / (f"variant{i}" + ("" if seed is None else f"-seed{seed}"))
-            try:
-                planned[name] = (compose_variant([*a.overrides, *shlex.split(v), *reseed], run_dir), run_dir)
-            except (ConfigError, HydraException, OmegaConfBaseException) as e:
-                print(f"tracekit.planted.gain: error: variant {name!r}: {' '.join(str(e).split())}", file=sys.stderr)
-                return 2
-            if seed is not None and len(a.variant) <= 1:
-                seeds[name] = seed
-    variants = {}
-    for name, (cfg, run_dir) in planned.items():
-        variants[name] = run_variant(cfg, run_dir)
-        report(variants, a.out, seeds)  # after every variant: a killed search keeps what it measured
+    try:
+        planned, seeds = plan_variants(a.overrides, a.variant, a.training_seeds, a.out)
+    except ValueError as e:
+        print(f"tracekit.planted.gain: error: {e}", file=sys.stderr)
+        return 2
+    run_search(planned, a.out, seeds)
     print((a.out / "planted_gain.md").read_text())
     return 0
 

@@ -2,9 +2,9 @@
 
 The consolidation baseline trains a single adapter on the successful trajectories of all the
 synthesized capability environments (official: TRL SFT, LoRA r 32, lr 2e-5). Its data are the
-capability GRPO runs' own rollouts (``grpo.save_rollouts=full``): :func:`sft_examples` turns each
-successful trajectory's recorded turns into the exact rows GRPO trained on (``tokens.build_rows``:
-the prompt ids the policy received, the ids it sampled), nothing re-tokenized.
+capability GRPO runs' own rollouts (kept ``full`` by every tracekit run, :func:`tracekit.runs.grpo_run`: no
+config knob): :func:`sft_examples` turns each successful trajectory's recorded turns into the exact rows GRPO
+trained on (``tokens.build_rows``: the prompt ids the policy received, the ids it sampled), nothing re-tokenized.
 
 One optimizer step, top to bottom (:func:`train_sft`):
 
@@ -117,9 +117,9 @@ def sft_examples(adapter_dirs: Iterable[str | Path], successes_only: bool = True
     """Exact training rows from GRPO runs' rollouts: ``(token_ids, loss_mask)`` per row.
 
     ``adapter_dirs``: GRPO adapter artifact dirs, each with ``rollouts/iter_*.jsonl`` written with
-    ``save_rollouts=full`` (trajectories carry ``info['turns']``). Every trajectory (successful
-    ones only by default) becomes the rows ``tokens.build_rows`` makes of its turns: the assistant's
-    sampled tokens are masked in, everything else is context. Order: dirs as given, files by name,
+    ``GRPOSettings.save_rollouts="full"``, as every tracekit run writes them (trajectories carry
+    ``info['turns']``). Every trajectory (successful ones only by default) becomes the rows ``tokens.build_rows``
+    makes of its turns: the assistant's sampled tokens are masked in, everything else is context. Order: dirs as given, files by name,
     lines in order (deterministic; :func:`train_sft` shuffles with its seed). Duplicates are kept
     (a behaviour that succeeded often weighs more, as in the rollouts).
     """
@@ -127,14 +127,16 @@ def sft_examples(adapter_dirs: Iterable[str | Path], successes_only: bool = True
     for d in adapter_dirs:
         files = sorted((Path(d) / "rollouts").glob("iter_*.jsonl"))
         if not files:
-            raise ValueError(f"{d}: no rollouts/iter_*.jsonl (SFT data needs a GRPO run with grpo.save_rollouts=full)")
+            raise ValueError(f"{d}: no rollouts/iter_*.jsonl (SFT data is a GRPO run's rollouts, kept by every tracekit "
+                             "run: is this a train stage's adapter folder?)")
         for f in files:
             for n, row in enumerate(iter_jsonl(f), start=1):
                 if successes_only and not row.get("success"):
                     continue
                 turns = (row.get("info") or {}).get("turns")
                 if turns is None:
-                    raise ValueError(f"{f}:{n}: trajectory has no token turns (save_rollouts=messages; SFT needs full)")
+                    raise ValueError(f"{f}:{n}: trajectory has no token turns (written with GRPOSettings.save_rollouts="
+                                     "'messages', outside tracekit's runs; SFT needs 'full')")
                 out += [(rec.token_ids, rec.loss_mask) for rec in build_rows([Turn.from_dict(t) for t in turns])]
     return out
 

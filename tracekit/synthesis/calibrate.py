@@ -39,11 +39,13 @@ from pydantic import BaseModel, Field
 from tracekit.artifacts import atomic_write_json, atomic_write_text
 from tracekit.envs.base import EnvSuite
 from tracekit.rollout import read_trajectories, run_rollouts
+from tracekit.synthesis.settings import SynthesisConfig
 
 log = logging.getLogger(__name__)
 
 Verdict = Literal["ok", "too_easy", "too_hard"]
 RolloutFn = Callable[[EnvSuite, list[int], int], Mapping[Any, Sequence[Any]]]
+BAND = (SynthesisConfig.target_low, SynthesisConfig.target_high)  # mean reward and success rate: the default band
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -71,9 +73,11 @@ def _entry(x: Any, success_threshold: float) -> tuple[float, bool]:
 
 @dataclass(frozen=True)
 class CalibrationTargets:
-    mean_reward: tuple[float, float] = (0.2, 0.6)
-    success_rate: tuple[float, float] = (0.2, 0.6)
-    min_informative: float = 0.5
+    """The band calibration aims at; the knobs' defaults are the ``synthesis`` group's (:class:`SynthesisConfig`)."""
+
+    mean_reward: tuple[float, float] = BAND
+    success_rate: tuple[float, float] = BAND
+    min_informative: float = SynthesisConfig.min_informative
     max_all_success: float | None = None  # the official script's stricter options (0.2 there), off by default
     max_all_zero: float | None = None
     success_threshold: float = 1.0  # success = reward >= this when the table carries no success labels
@@ -267,16 +271,17 @@ def write_calibration(report: CalibrationReport, out_dir: str | Path, stem: str 
 
 @dataclass(frozen=True)
 class OfficialAcceptance:
-    """The official calibration gate, its defaults: G samples per seed, the bands and bounds an environment must
-    meet to be trained on."""
+    """The official calibration gate: G samples per seed, the bands and bounds an environment must meet to be trained
+    on. Its knobs' defaults are the ``synthesis`` group's (:class:`SynthesisConfig`; a composed config's values:
+    :func:`tracekit.synthesis.stage.official_acceptance`)."""
 
-    group_size: int = 16
-    mean_reward: tuple[float, float] = (0.2, 0.6)
-    success_rate: tuple[float, float] = (0.2, 0.6)
-    min_reward_std: float = 0.05
-    max_all_success: float = 0.2
-    max_all_zero: float = 0.2
-    min_informative: float = 0.5
+    group_size: int = SynthesisConfig.acceptance_group_size
+    mean_reward: tuple[float, float] = BAND
+    success_rate: tuple[float, float] = BAND
+    min_reward_std: float = SynthesisConfig.min_reward_std
+    max_all_success: float = SynthesisConfig.max_all_success
+    max_all_zero: float = SynthesisConfig.max_all_zero
+    min_informative: float = SynthesisConfig.min_informative
     success_threshold: float = 1.0  # success = reward >= this where the table carries no success label
     pass_ks: tuple[int, ...] = (1, 4, 8, 16)
 

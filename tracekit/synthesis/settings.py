@@ -21,7 +21,7 @@ ACCEPTANCE = ("none", "official")  # no gate | the official TRACE calibration ga
 class SynthesisConfig:
     """One training environment per selected capability (paper section 3.4)."""
 
-    source: str = "library"
+    source: str = "library"  # library: built-in hand-written reference environments | generate: an LLM writes each
     endpoint: str = "generation"  # source=generate: a key of llm.endpoints
     repair_rounds: int = 3
     mutation_rounds: int = 5
@@ -32,6 +32,11 @@ class SynthesisConfig:
     target_low: float = 0.2  # the band of mean reward and success rate (calibration's target, acceptance's gate)
     target_high: float = 0.6
     min_informative: float = 0.5
+    # official: the official TRACE calibration gate (pipeline/calibrate_environment.py) on every ready environment:
+    # the base policy samples acceptance_group_size (G=16) rollouts per validation seed; kept only if mean reward and
+    # success rate lie in [target_low, target_high], reward std >= min_reward_std, all-success and all-zero groups
+    # <= max_all_success / max_all_zero (0.2 each) and informative groups >= min_informative (0.5); pass@{1,4,8,16}
+    # reported. A refused environment is a skip whose reason gives its numbers (acceptance.json). none: no gate
     acceptance: str = "none"
     acceptance_group_size: int = 16  # official: G, the base policy's samples per validation seed
     min_reward_std: float = 0.05  # official: the rewards' std at least this

@@ -53,6 +53,16 @@ ACCEPTANCE = "acceptance.json"
 CHAIN_SEED_OFFSET = 5_000_000
 
 
+def official_acceptance(c: SynthesisConfig, group_size: int | None = None) -> OfficialAcceptance:
+    """The official gate's rule as the ``synthesis`` group sets it (``synthesis.acceptance=official``'s), at
+    ``group_size`` samples per seed (None: ``synthesis.acceptance_group_size``)."""
+    band = (c.target_low, c.target_high)
+    return OfficialAcceptance(group_size=c.acceptance_group_size if group_size is None else group_size,
+                              mean_reward=band, success_rate=band, min_reward_std=c.min_reward_std,
+                              max_all_success=c.max_all_success, max_all_zero=c.max_all_zero,
+                              min_informative=c.min_informative)
+
+
 @dataclass
 class SynthesisSettings:
     """What :func:`synthesize` runs with: built from the ``synthesis`` group in one call (:meth:`of`), the
@@ -73,12 +83,7 @@ class SynthesisSettings:
         source draws nothing)."""
         if c.source == "generate" and seed is None:
             raise ValueError("synthesis.source=generate samples the generation LLM: it needs the stage's seed")
-        band = (c.target_low, c.target_high)
-        acceptance = None
-        if c.acceptance == "official":
-            acceptance = OfficialAcceptance(group_size=c.acceptance_group_size, mean_reward=band, success_rate=band,
-                                            min_reward_std=c.min_reward_std, max_all_success=c.max_all_success,
-                                            max_all_zero=c.max_all_zero, min_informative=c.min_informative)
+        acceptance = official_acceptance(c) if c.acceptance == "official" else None
         agent = GenerationAgentConfig(max_repair_rounds=c.repair_rounds, max_mutation_rounds=c.mutation_rounds,
                                       seed=seed if c.source == "generate" else 0)
         seeds = list(range(CHAIN_SEED_OFFSET, CHAIN_SEED_OFFSET + c.chain_seeds))

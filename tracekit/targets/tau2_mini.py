@@ -53,8 +53,10 @@ class LibraryTarget(Target):
         b, own = cfg.benchmark, self.own(cfg.benchmark)
         llm_user = ({"user_client": client_for(cfg, cfg.user.endpoint), "user_temperature": cfg.user.temperature}
                     if cfg.user.kind == "llm" else {})
+        # split "validation": the instances synthesis validates on (seeds 0..n, the planted bands'), not the held-out
+        validation = {"seed_offset": 0} if split == "validation" else {}
         return LibraryTargetSuite(b.name, list(own.envs), difficulty=own.difficulty, n_per_env=b.limit,
-                                  user=cfg.user.kind, extra_envs=self.extra_envs, **llm_user)
+                                  user=cfg.user.kind, extra_envs=self.extra_envs, **validation, **llm_user)
 
     def training_split_problem(self, cfg: DictConfig) -> str | None:
         return None  # instances from the training seeds, disjoint from the held-out ones and from validation's

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from omegaconf import DictConfig
 
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
-from tracekit.config import _check, read_pinned_dictionary
+from tracekit.config import _check, owner_settings, read_pinned_dictionary
 from tracekit.policy import Budget, Policy, PolicyKind, PolicyRow, budget_sum, grpo_budget
 from tracekit.targets import target_of
 
 
 @dataclass
 class ConsolidationBudgetConfig:
-    episodes: int | None = None  # training episodes of strategies that train; None: the capability runs' summed
+    # training episodes of strategies that train; None: the capability runs' summed (iterations x T)
+    episodes: int | None = None
 
     RANGES: ClassVar[dict[str, str]] = {"episodes": ">= 1"}
 
@@ -87,8 +88,11 @@ class Strategy(ABC):
         return self.inputs
 
     def validate(self, cfg: DictConfig) -> None:
-        """Refuse settings this strategy cannot run with (``ConfigError``, one line) before any work. Every strategy
-        but the merges refuses a merge-scale search (it has no scale)."""
+        """Refuse settings this strategy cannot run with (``ConfigError``, one line) before any work: its settings'
+        own rules (:attr:`settings` built from ``consolidation.<mount>``) and, in an override, its cross-field rules.
+        Every strategy but the merges refuses a merge-scale search (it has no scale)."""
+        if self.settings is not None:
+            owner_settings(cfg, f"consolidation.{self.mount or self.name}", self.settings)
         scales = search_scales(cfg)
         _check(scales is None, "consolidation.lam_search.scales", None if scales is None else list(scales),
                f"null with consolidation={self.name} (only the merges take a scale)")

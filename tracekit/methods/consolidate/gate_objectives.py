@@ -59,6 +59,45 @@ from tracekit.synthesis.stage import open_package
 from tracekit.types import Message, Task, stable_hash
 from tracekit.wiring import backbone_dict, device, dtype, llm_agent, plain
 
+log = logging.getLogger(__name__)
+
+MEASURE_SEED_OFFSET = 20_000_000  # adapter-reward measurements: disjoint from training (100,000+) and validation seeds
+# what an adapter's measured reward depends on besides its weights, the environment and the seeds
+MEASURE_READS = ("agent", "eval.max_steps", "eval.context_budget")
+GRPO_READS = ("agent", "eval.max_steps", "eval.context_budget", "grpo.groups", "grpo.iterations")
+
+
+@dataclass(frozen=True)
+class GateObjective:
+    """What one gate objective is to the ``moe`` strategy: its row words, what its key reads, and how it trains."""
+
+    name: str
+    words: str | None  # the TRACE row's words for gates trained so (None: the paper's gate, the plain TRACE row)
+    reads: tuple[str, ...] = ()  # compose's reads beyond the objective's name (none for the paper's: keys as before)
+    soft_targets: bool = False  # trains toward the adapters' measured rewards (rolls them out in their environments)
+    gate_grpo: bool = False  # GRPO on the gates, after the warm start ``consolidation.gate.grpo.warm_start`` names
+
+    @property
+    def paper(self) -> bool:
+        """The paper's CE + LB: in no key, rolls nothing out, adds no note."""
+        return self.words is None
+
+
+# consolidation.gate.objective; top-1 routing at inference whatever trains the gates
+GATE_OBJECTIVES: dict[str, GateObjective] = {o.name: o for o in (
+    # the paper's: CE on the GRPO rollouts' response tokens + lambda_LB * load balancing
+    GateObjective("ce_lb", None),
+    # KL(softmax(adapter rewards / T) || mean gate probability), each adapter's reward measured greedily on every
+    # capability environment (official train/warmstart_gater.py, per_layer)
+    GateObjective("soft_target", "soft-target", ("consolidation.gate.soft_target", *MEASURE_READS), soft_targets=True),
+    # GRPO on the gates alone from a warm start, one expert sampled per trajectory from the gate's prompt routing
+    # (official train/grpo_gater.py: lr 1e-3, clip 0.2, temperature 0.9, hints)
+    GateObjective("grpo", "GRPO", ("consolidation.gate.grpo", *GRPO_READS), gate_grpo=True),
+)}
+PAPER_GATE = next(name for name, o in GATE_OBJECTIVES.items() if o.paper)
+# the objectives gate GRPO may start from (any but itself)
+WARM_STARTS = tuple(name for name, o in GATE_OBJECTIVES.items() if not o.gate_grpo)
+
 
 @dataclass
 class SoftTargetConfig:
@@ -74,7 +113,7 @@ class SoftTargetConfig:
 class GateGrpoConfig:
     """moe with gate_objective=grpo: GRPO on the gates alone (official train/grpo_gater.py's defaults)."""
 
-    warm_start: str = "ce_lb"  # the gates GRPO starts from: ce_lb | soft_target
+    warm_start: str = PAPER_GATE  # the gates GRPO starts from: a WARM_STARTS objective
     iterations: int = 10
     groups: int = 4  # (environment, seed) groups per iteration (official --num-tasks)
     group_size: int = 4  # rollouts per group (official --rollouts-per)
@@ -88,7 +127,7 @@ class GateGrpoConfig:
     RANGES: ClassVar[dict[str, str]] = {
         "iterations": ">= 1", "groups": ">= 1", "group_size": ">= 1", "lr": "> 0", "clip_eps": "(0, 1)",
         "temperature": "[0, 2]", "hint_fraction": "[0, 1]", "updates": ">= 1", "max_grad_norm": ">= 0"}
-    CHOICES: ClassVar[dict[str, Choice]] = {"warm_start": ("ce_lb", "soft_target")}
+    CHOICES: ClassVar[dict[str, Choice]] = {"warm_start": WARM_STARTS}
 
 
 @dataclass
@@ -123,20 +162,12 @@ class GateObjectiveConfig:
     """The ``moe`` strategy's gate objective (issue 39): ce_lb (the paper's), soft_target or grpo; and how the gates
     route at inference (issue 53, ``routing``)."""
 
-    objective: str = "ce_lb"
+    objective: str = PAPER_GATE  # a GATE_OBJECTIVES name
     soft_target: SoftTargetConfig = field(default_factory=SoftTargetConfig)
     grpo: GateGrpoConfig = field(default_factory=GateGrpoConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
-    CHOICES: ClassVar[dict[str, Choice]] = {"objective": ("ce_lb", "soft_target", "grpo")}
-
-
-log = logging.getLogger(__name__)
-
-MEASURE_SEED_OFFSET = 20_000_000  # adapter-reward measurements: disjoint from training (100,000+) and validation seeds
-# what an adapter's measured reward depends on besides its weights, the environment and the seeds
-MEASURE_READS = ("agent", "eval.max_steps", "eval.context_budget")
-GRPO_READS = ("agent", "eval.max_steps", "eval.context_budget", "grpo.groups", "grpo.iterations")
+    CHOICES: ClassVar[dict[str, Choice]] = {"objective": tuple(GATE_OBJECTIVES)}
 
 
 # --------------------------------------------------------------------------------------------- small pure rules

@@ -43,10 +43,13 @@ from tracekit.ranges import Choice
 class MergeConfig:
     """merge_cat | merge_linear | merge_ties | merge_dare_ties (on the full dW, SVD re-factored)."""
 
-    weights: list[float] | None = None  # per capability, sorted by name; None: 1/T (linear) or 1 (TIES)
+    # per capability, sorted by name; None: 1/T each (linear: the mean of the updates) or 1 each (TIES)
+    weights: list[float] | None = None
     density: float = 0.2  # TIES: fraction of entries kept; DARE: keep probability
-    majority_sign: str = "total"  # total | frequency
-    rank: int | None = None  # SVD rank of the merged adapter; None: the sum of the ranks
+    majority_sign: str = "total"  # total (sign of the sum) | frequency (sign of the count)
+    # SVD rank of the merged adapter; None: the sum of the ranks (lossless for a linear merge; TIES' masks make dW
+    # full-rank, so there it truncates, logged)
+    rank: int | None = None
     lam: float = 1.0  # global scale of the merged update
 
     RANGES: ClassVar[dict[str, str]] = {"weights": "[-10, 10]", "density": "(0, 1]", "rank": ">= 1", "lam": "> 0"}
@@ -57,8 +60,8 @@ class MergeConfig:
 class CoreTSVConfig:
     """merge_core_tsv: Core Space + TIES sign resolution + TSV-M in the core."""
 
-    lam: float = 0.2
-    density: float = 1.0
+    lam: float = 0.2  # the reference core-TSV config (apanariello4/core-space-merging)
+    density: float = 1.0  # TIES trim of each core; 1.0: sign election only
     majority_sign: str = "total"
     isotropize: bool = False
     rank_policy: str = "full"  # full (all T*r core directions) | truncate (top r, before isotropizing)

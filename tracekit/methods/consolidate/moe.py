@@ -24,8 +24,8 @@ from tracekit.config import _check
 from tracekit.methods.consolidate.composite import (COMPOSITE_WORDS, chain_examples, composite_inputs,
                                                     composite_on, composite_reads, with_chains)
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget, check_top_k, dictionary_size
-from tracekit.methods.consolidate.gate_objectives import (GRPO_READS, MEASURE_READS, GateObjectiveConfig, RoutingConfig,
-                                                          measure_rewards, train_gates_grpo)
+from tracekit.methods.consolidate.gate_objectives import (GATE_OBJECTIVES, PAPER_GATE, GateObjectiveConfig,
+                                                          RoutingConfig, measure_rewards, train_gates_grpo)
 from tracekit.moe.gate import (GateExample, GateTrainConfig, heldout_measures, mix_uniformly, soft_targets,
                                split_heldout, train_gates, train_gates_soft_target, write_log_csv)
 from tracekit.moe.model import MoEConfig, build_lora_moe
@@ -33,9 +33,6 @@ from tracekit.policy import Budget
 from tracekit.rl.sft import sft_examples
 from tracekit.runs import ready_capabilities
 from tracekit.wiring import backbone_dict, device, dtype
-
-
-GATE_LABELS = {"soft_target": "soft-target", "grpo": "GRPO"}  # the rows of gates trained otherwise than ce_lb
 
 
 def routing_of(cfg) -> RoutingConfig:
@@ -50,17 +47,18 @@ def routing_of(cfg) -> RoutingConfig:
 
 
 def gate_objective(cfg) -> str:
-    """``consolidation.gate.objective``; ce_lb where the compose stage's view masks it (it reads it only otherwise)."""
+    """``consolidation.gate.objective``; the paper's where the compose stage's view masks it (it reads it only
+    otherwise)."""
     node: Any = cfg
     for part in ("consolidation", "gate"):  # one level at a time: a masked group reads as a MISSING string
         node = OmegaConf.select(node, part, default=None) if isinstance(node, DictConfig) else None
-    return OmegaConf.select(node, "objective", default="ce_lb") if isinstance(node, DictConfig) else "ce_lb"
+    return OmegaConf.select(node, "objective", default=PAPER_GATE) if isinstance(node, DictConfig) else PAPER_GATE
 
 
 def warm_objective(cfg) -> str:
     """The objective that trains the gates first: the configured one, or grpo's warm start."""
     o = gate_objective(cfg)
-    return cfg.consolidation.gate.grpo.warm_start if o == "grpo" else o
+    return cfg.consolidation.gate.grpo.warm_start if GATE_OBJECTIVES[o].gate_grpo else o
 
 
 def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
@@ -70,23 +68,33 @@ def gate_examples(adapter_dir: Path, successes_only: bool) -> list[Any]:
 
 class LoRAMoE(Strategy):
     name = "moe"
-    # the gate objective: in no key while ce_lb (the default: TRACE's keys as before), else in compose's reads
+    # the gate objective: in no key while the paper's (the default: TRACE's keys as before), else in compose's reads
     settings, mount = GateObjectiveConfig, "gate"
     label = "TRACE"
 
     def row_label(self, cfg) -> str:
         """TRACE under the paper's gate and routing; a gate trained otherwise or routed otherwise says so
         (``TRACE (soft-target gate)``, ``TRACE (turn routing, soft top-2)``)."""
-        objective = gate_objective(cfg)
-        words = ([] if objective == "ce_lb" else [f"{GATE_LABELS[objective]} gate"]) + [routing_of(cfg).label()] + (
+        objective = GATE_OBJECTIVES[gate_objective(cfg)]
+        words = ([] if objective.paper else [f"{objective.words} gate"]) + [routing_of(cfg).label()] + (
             [COMPOSITE_WORDS] if composite_on(cfg) else [])  # composite gate data: beyond the paper (issue 53)
         words = [w for w in words if w]
         return f"{self.label} ({', '.join(words)})" if words else self.label
 
     def validate(self, cfg) -> None:
-        """A temperature without soft top-k is a knob that does nothing; soft top-k over more slots than the dictionary
-        could ever select is refused here (against the selected adapters again when compose starts)."""
+        """Gate GRPO needs groups of two or more and no base slot; a temperature without soft top-k is a knob that
+        does nothing; soft top-k over more slots than the dictionary could ever select is refused here (against the
+        selected adapters again when compose starts)."""
         super().validate(cfg)
+        if GATE_OBJECTIVES[gate_objective(cfg)].gate_grpo:
+            gr = cfg.consolidation.gate.grpo
+            # GRPO learns only from groups whose rewards differ: a group of one never does, whatever else varies
+            _check(gr.group_size >= 2, "consolidation.gate.grpo.group_size", gr.group_size,
+                   ">= 2 with consolidation.gate.objective=grpo (a group of one rollout has no reward variance: "
+                   "GRPO's advantage is 0)")
+            _check(not cfg.moe.base_slot, "moe.base_slot", True,
+                   "false with consolidation.gate.objective=grpo (each trajectory's expert is a capability adapter; "
+                   "the base slot has none to roll out)")
         r = routing_of(cfg)
         _check(r.soft_top_k is not None or r.temperature == 1.0, "consolidation.gate.routing.temperature",
                r.temperature, "1.0 without consolidation.gate.routing.soft_top_k (it tempers soft top-k mixing only)")
@@ -99,18 +107,16 @@ class LoRAMoE(Strategy):
     def reads(self, cfg):
         objective = gate_objective(cfg)
         routing = () if routing_of(cfg).is_default else ("consolidation.gate.routing",)
-        if objective == "ce_lb":  # the paper's gate: TRACE's keys as before the other objectives existed
+        if GATE_OBJECTIVES[objective].paper:  # the paper's gate: TRACE's keys as before the other objectives existed
             return ("moe", *routing, *composite_reads(cfg))
         reads = ["moe", "consolidation.gate.objective", *routing, *composite_reads(cfg)]
-        if warm_objective(cfg) == "soft_target":
-            reads += ["consolidation.gate.soft_target", *MEASURE_READS]
-        if objective == "grpo":
-            reads += ["consolidation.gate.grpo", *GRPO_READS]
+        for o in dict.fromkeys([warm_objective(cfg), objective]):  # the warm start's reads, then the objective's
+            reads += GATE_OBJECTIVES[o].reads
         return tuple(dict.fromkeys(reads))
 
     def stage_inputs(self, cfg):
         # the other objectives roll the adapters out in the capability environments
-        inputs = () if gate_objective(cfg) == "ce_lb" else ("synthesize",)
+        inputs = () if GATE_OBJECTIVES[gate_objective(cfg)].paper else ("synthesize",)
         return tuple(dict.fromkeys(inputs + composite_inputs(cfg)))  # chained episodes live in the synthesize artifact
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
@@ -158,11 +164,11 @@ class LoRAMoE(Strategy):
         if chain_spent is not None:  # every chained episode sampled counts in TRACE's budget
             spent += chain_spent
         pkgs = {}
-        if objective != "ce_lb":
+        if not GATE_OBJECTIVES[objective].paper:
             syn = ctx.inputs["synthesize"]
             ready = set(ready_capabilities(syn))
             pkgs = {cap: syn.path / cap for cap in sorted(ready & set(adapters))}
-        if warm == "ce_lb":
+        if not GATE_OBJECTIVES[warm].soft_targets:  # CE + LB
             log_rows = train_gates(model, examples, train_cfg, seed=ctx.seed, pad_id=pad)
         else:  # soft targets: every slot's measured reward on each example's environment
             st = cfg.consolidation.gate.soft_target
@@ -178,7 +184,7 @@ class LoRAMoE(Strategy):
                                                seed=ctx.seed, pad_id=pad)
             spent += Budget(episodes=len(slots) * len(pkgs) * int(st.seeds))
             extra.update(rewards=rewards, targets=target)
-        if objective == "grpo":
+        if GATE_OBJECTIVES[objective].gate_grpo:
             grpo_rows, grpo_spent = train_gates_grpo(ctx, model, tokenizer, adapters, pkgs, cfg.consolidation.gate.grpo)
             write_log_csv(grpo_rows, ctx.work_dir / "gate_grpo_log.csv")
             for row in grpo_rows:
@@ -195,11 +201,11 @@ class LoRAMoE(Strategy):
             "capabilities": list(adapters), "examples": len(examples), "steps": len(log_rows),
             "heldout": {"examples": len(held), "per_capability": {c: len(v) for c, v in held_groups.items()},
                         "before": before, "after": after},
-            "parameters": model.parameter_counts(), **({} if objective == "ce_lb" else extra)})
+            "parameters": model.parameter_counts(), **({} if GATE_OBJECTIVES[objective].paper else extra)})
         # the warm start trains on the GRPO rollouts (no new episodes); soft targets' measurements and gate GRPO's
         # rollouts are episodes of their own
         gate = Budget(optimizer_steps=len(log_rows)) + spent
-        notes = () if objective == "ce_lb" else (gate_note(objective, warm, extra),)
+        notes = () if GATE_OBJECTIVES[objective].paper else (gate_note(objective, warm, extra),)
         if chain_note is not None:
             notes += (chain_note,)
         if not routing.is_default:
@@ -214,7 +220,7 @@ class LoRAMoE(Strategy):
 
 def gate_note(objective: str, warm: str, extra: dict[str, Any]) -> str:
     """The results-table note of a gate trained by another objective than the paper's CE + LB."""
-    parts = [f"gate objective {objective}" + (f" (warm start {warm})" if objective == "grpo" else "")]
+    parts = [f"gate objective {objective}" + (f" (warm start {warm})" if GATE_OBJECTIVES[objective].gate_grpo else "")]
     if "targets" in extra:
         parts.append("soft targets " + "; ".join(f"{cap}: " + ", ".join(f"{p:.2f}" for p in t)
                                                  for cap, t in extra["targets"].items()))

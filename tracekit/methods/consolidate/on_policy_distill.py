@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from tracekit.artifacts import Artifact
+from tracekit.config import _check
 from tracekit.llm.backbones import load_backbone
 from tracekit.methods.consolidate.base import Consolidated, Strategy, adapters_budget
 from tracekit.policy import Budget
@@ -30,6 +31,12 @@ class OnPolicyDistill(Strategy):
 
     def reads(self, cfg):
         return ("consolidation.distill", "consolidation.budget", "grpo.groups", "grpo.iterations")
+
+    def validate(self, cfg) -> None:
+        """The iterations follow from the matched budget: a value set by hand is refused."""
+        super().validate(cfg)
+        _check(cfg.consolidation.distill.iterations == DistillSettings.iterations, "consolidation.distill.iterations",
+               cfg.consolidation.distill.iterations, "left unset: set consolidation.budget.episodes (matched budgets)")
 
     def consolidate(self, ctx, adapters: dict[str, Artifact]) -> Consolidated:
         from omegaconf import OmegaConf

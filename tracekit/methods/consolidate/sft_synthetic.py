@@ -22,7 +22,7 @@ from tracekit.wiring import backbone_dict, device, dtype
 class SftConfig(SFTSettings):
     """sft_synthetic: the SFT recipe's settings, plus which GRPO trajectories it trains on."""
 
-    data: str = "successes"  # successes (the paper) | all
+    data: str = "successes"  # successes (the paper) | all (every trajectory: for runs with no success)
 
     CHOICES: ClassVar[dict[str, Choice]] = {**SFTSettings.CHOICES, "data": TRAJECTORY_SETS}
 
