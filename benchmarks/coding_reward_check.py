@@ -1,5 +1,5 @@
 """Issue 49's check of the coding reward: every gold patch of the default task set (conf/benchmark/coding_toolz.yaml)
-under :func:`tracekit.coding.reward.evaluate_patch`, and the hostile patches of ``tests/test_hostile_patches.py``;
+under :func:`tracekit.targets.coding.reward.evaluate_patch`, and the hostile patches of ``tests/test_hostile_patches.py``;
 a Markdown report on stdout (benchmarks/results/coding_reward_issue49.md).
 
     python benchmarks/coding_reward_check.py --cache /tmp/coding-cache > benchmarks/results/coding_reward_issue49.md
@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests import test_hostile_patches as H  # noqa: E402
-from tracekit.coding import reward as rw  # noqa: E402
+from tracekit.targets.coding import reward as rw  # noqa: E402
 from tracekit.coding import sandbox  # noqa: E402
-from tracekit.coding.tasks import TaskGenConfig, load_or_generate  # noqa: E402
+from tracekit.targets.coding.tasks import TaskGenConfig, load_or_generate  # noqa: E402
 
 
 def main() -> None:

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from tracekit.llm.hf import HFChatClient
     from tracekit.llm.templates import TEMPLATES
     from tracekit.rollout import read_trajectories, run_rollouts
-    from tracekit.synthesis.library.micro import KINDS
-    from tracekit.synthesis.library_target import LibraryTargetSuite
+    from tracekit.targets.micro.library import KINDS
+    from tracekit.targets.synthetic.suite import LibraryTargetSuite
 
     ident = json.loads((FIXTURE / "identity.json").read_text())
     if file_sha256(FIXTURE / "model.safetensors") != ident["weights_sha256"]:

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     from tracekit.synthesis.library import LIBRARY_NAMES
-    from tracekit.synthesis.library.micro import KINDS
+    from tracekit.targets.micro.library import KINDS
 
     if a.kind not in KINDS and a.kind not in LIBRARY_NAMES:
         print(f"--kind {a.kind!r} is not a micro kind ({', '.join(KINDS)}) or library environment", file=sys.stderr)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from tracekit.rl.trainer import GRPOTrainer
     from tracekit.rollout import run_rollouts
     from tracekit.runs import TRAIN_SEED_OFFSET
-    from tracekit.synthesis.library_target import LibraryTargetSuite
+    from tracekit.targets.synthetic.suite import LibraryTargetSuite
 
     tokenizer = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)
     tokenizer.chat_template = TEMPLATES["qwen3"]

@@ -52,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     from tracekit.llm.backbones import get_spec, load_backbone
     from tracekit.llm.hf import HFChatClient
     from tracekit.llm.tools import render_prompt
-    from tracekit.planted.warmstart import PlantedSpec, demonstrations, planted_dir
+    from tracekit.warmstart.planted import PlantedSpec, demonstrations, planted_dir
     from tracekit.rl.settings import LoraSettings
     from tracekit.rl.sft import SFTSettings, train_sft
     from tracekit.rollout import read_trajectories, run_rollouts
-    from tracekit.synthesis.library.micro import COMBOS
-    from tracekit.synthesis.library_target import LibraryTargetSuite
+    from tracekit.targets.micro.library import COMBOS
+    from tracekit.targets.synthetic.suite import LibraryTargetSuite
     from tracekit.wiring import backbone_dict
 
     torch.manual_seed(0)

@@ -560,8 +560,8 @@ def generate_section(args) -> dict[str, Any]:
 def gold_suite(limit: int) -> Any:
     """Real tau^2 retail (test split, scripted user), the first ``limit`` tasks: the gold section's suite (also a
     :class:`~tracekit.envs.pool.SuiteSpec` factory, so the workers build the same one)."""
-    from tracekit.envs.tau2 import Tau2Suite
-    from tracekit.envs.users import ScriptedUser
+    from tracekit.targets.tau2.suite import Tau2Suite
+    from tracekit.targets.tau2.users import ScriptedUser
 
     return Tau2Suite(name="tau2_retail", domains=["retail"], limit=limit, user=ScriptedUser(max_turns=10))
 
@@ -576,7 +576,7 @@ def gold_section(args) -> dict[str, Any]:
     from tracekit.rollout import read_trajectories, run_rollouts
 
     n = args.gold_workers
-    spec = SuiteSpec(factory, (args.gold,), preload=("tracekit.envs.tau2",))
+    spec = SuiteSpec(factory, (args.gold,), preload=("tracekit.targets.tau2.suite",))
     suite = gold_suite(args.gold)
     arms = ["serial", f"pool{n}"]
     times: dict[str, list[float]] = {a: [] for a in arms}

@@ -6,7 +6,7 @@ all-ones. Each episode is run and scored twice, interleaved so machine noise hit
 
 - stock: ``registry.get_env_constructor(domain)()`` (parses db.json) for the episode, then
   ``evaluate_simulation(..., domain)`` (parses it twice more and hashes two full DBs);
-- ours: ``tracekit.envs.tau2.make_environment`` (a copy-on-write view of the DB parsed once) and
+- ours: ``tracekit.targets.tau2.suite.make_environment`` (a copy-on-write view of the DB parsed once) and
   the same ``evaluate_simulation`` through the copy-on-write constructor and cached-JSON hash.
 
 Tool execution is the same code in both and is not timed. Prints per-episode means, the ratio,
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from tracekit.envs import tau2 as T
+from tracekit.targets.tau2 import suite as T
 
 
 def run(tasks_per_domain: int | None) -> dict[str, Any]:

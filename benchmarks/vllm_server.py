@@ -341,7 +341,7 @@ def grpo_two_iterations(args, target: Target, work: Path) -> dict[str, Any]:
     from tracekit.rl.trainer import GRPOTrainer
     from tracekit.rl.vllm_client import VLLMEngine
     from tracekit.runs import TRAIN_SEED_OFFSET
-    from tracekit.synthesis.library_target import LibraryTargetSuite
+    from tracekit.targets.synthetic.suite import LibraryTargetSuite
 
     settings = GRPOSettings(iterations=2, groups=8, group_size=8, lr=1e-3, max_new_tokens=48, max_steps=8,
                             max_prompt_tokens=target.max_model_len - 48, num_minibatches=1,

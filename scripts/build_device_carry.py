@@ -9,7 +9,7 @@ on the machine's disk that outlives the call while the machine stays warm (``ben
   imports every test module before it selects: found by doing both in a subprocess) and that the GPU image lacks:
   compiled ones as cp312 manylinux wheels of this install's version (``pip download``), pure-Python ones as their
   installed files (tau^2 without its telecom domain's *data*: 28 MB of tasks no target here reads; the domain's
-  code, 0.2 MB, travels, because ``tau2/registry.py`` imports it at load and ``tracekit.envs.tau2`` imports the
+  code, 0.2 MB, travels, because ``tau2/registry.py`` imports it at load and ``tracekit.targets.tau2.suite`` imports the
   registry; telecom reads its data only when its tasks or environment are asked for);
 - the GGUF split into parts, with its sha256.
 
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The modules a GPU run of the planted / ladder experiments imports (the app, the tau^2 library environments, the
 # constrained decoder, the GGUF reader).
 RUN_MODULES = ["tracekit.cli", "tracekit.planted.gain", "tracekit.planted.score", "tracekit.planted.curves",
-               "tracekit.envs.tau2", "tracekit.synthesis.library.tau2_common", "tracekit.llm.constrained",
+               "tracekit.targets.tau2.suite", "tracekit.targets.tau2.library.common", "tracekit.llm.constrained",
                "tau2.domains.retail.environment", "tau2.domains.airline.environment", "xgrammar", "gguf"]
 # Distributions the GPU image provides (device KINDS.md's package list and what torch/transformers pull in):
 # carrying ours would shadow its builds for the wrong Python.

@@ -29,7 +29,7 @@ def current_key(overrides: list[str] | None = None) -> tuple[object, str]:
     """(backbone spec, planted key) of the ``experiment=micro`` warm start."""
     from tracekit.cli import compose_config
     from tracekit.llm.backbones import get_spec
-    from tracekit.planted.warmstart import PlantedSpec, planted_key
+    from tracekit.warmstart.planted import PlantedSpec, planted_key
     from tracekit.wiring import backbone_dict
 
     cfg = compose_config(["experiment=micro", *(overrides or [])])
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file, save_file
 
     from tracekit.artifacts import atomic_write_json, file_sha256
-    from tracekit.planted.warmstart import planted_dir
+    from tracekit.warmstart.planted import planted_dir
 
     spec, key = current_key()
     src = planted_dir(spec, "cpu") / "model"

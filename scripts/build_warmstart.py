@@ -1,12 +1,12 @@
-"""Build (or check) a shipped warm start: ``tracekit/planted/warmstarts/<name>/`` (issue 50).
+"""Build (or check) a shipped warm start: ``tracekit/warmstart/warmstarts/<name>/`` (issue 50).
 
-The warm start is trained from scratch by the planted warm-start stage (``tracekit.planted.warmstart.planted_dir``)
+The warm start is trained from scratch by the planted warm-start stage (``tracekit.warmstart.planted.planted_dir``)
 in an empty cache, for the backbone of ``experiment=<preset>`` (the preset defaults to the name), and its planted
 folder is copied whole but for the demonstrations and the SFT log: ``model/`` (float32 weights, the world
 tokenizer, the config) and ``planted.json``, with ``identity.json``: the planted key, the backbone, the preset, the
 sha256 of every file, and how it was built (torch, threads, seconds). A run with ``warm_start=<name>`` refuses
 a folder whose key is not its config's planted key, or whose files differ from their sha256
-(``tracekit.planted.shipped``).
+(``tracekit.warmstart.shipped``).
 
     python scripts/build_warmstart.py micro            # train it (~6 min on 2 idle cores) and write the folder
     python scripts/build_warmstart.py micro --check    # train it again; exit 1 unless every file is the same, bit for bit
@@ -43,8 +43,8 @@ def build(preset: str, cache: Path) -> tuple[Path, str, str, float]:
     """(planted folder, backbone name, planted key, seconds) of ``experiment=<preset>``'s warm start in ``cache``."""
     from tracekit.cli import compose_config
     from tracekit.llm.backbones import get_spec
-    from tracekit.planted.shipped import config_planted_key
-    from tracekit.planted.warmstart import planted_dir
+    from tracekit.warmstart.shipped import config_planted_key
+    from tracekit.warmstart.planted import planted_dir
     from tracekit.wiring import backbone_dict
 
     cfg = compose_config([f"experiment={preset}", "warm_start=null"])
@@ -79,7 +79,7 @@ def files_of(folder: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("name", help="the shipped warm start (tracekit/planted/warmstarts/<name>/)")
+    p.add_argument("name", help="the shipped warm start (tracekit/warmstart/warmstarts/<name>/)")
     p.add_argument("--preset", help="the experiment preset whose backbone it is (default: the name)")
     p.add_argument("--check", action="store_true", help="train again and compare with the shipped files")
     p.add_argument("--cache", type=Path, help="build (or take) the warm start in this cache root, not an empty one")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
 
     from tracekit.artifacts import atomic_write_json, read_json
-    from tracekit.planted.shipped import IDENTITY, shipped_dir
+    from tracekit.warmstart.shipped import IDENTITY, shipped_dir
 
     preset = a.preset or a.name
     with tempfile.TemporaryDirectory(prefix="warmstart-") as tmp:

@@ -1,6 +1,6 @@
-"""Write tracekit/targets/data/toolsandbox_scenarios.json: ToolSandbox's 129 base scenarios (name, categories,
+"""Write tracekit/targets/toolsandbox/data/toolsandbox_scenarios.json: ToolSandbox's 129 base scenarios (name, categories,
 the tools of it that call RapidAPI), from the real ToolSandbox through its environment server. The ToolSandbox
-target's training split (``benchmark.toolsandbox.train_split``, :mod:`tracekit.targets.toolsandbox`) is computed from this
+target's training split (``benchmark.toolsandbox.train_split``, :mod:`tracekit.targets.toolsandbox.target`) is computed from this
 catalog, so it is known at config time (validation, planning) without ToolSandbox's environment; the catalog is
 checked against the real ToolSandbox in tests/test_toolsandbox_split.py.
 
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from tracekit.artifacts import atomic_write_text
-from tracekit.envs.toolsandbox import ToolSandboxServer
-from tracekit.targets.toolsandbox import CATALOG
+from tracekit.targets.toolsandbox.suite import ToolSandboxServer
+from tracekit.targets.toolsandbox.target import CATALOG
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Write tracekit/targets/data/toolsandbox_tools.json: every agent-visible ToolSandbox tool in the OpenAI format
+"""Write tracekit/targets/toolsandbox/data/toolsandbox_tools.json: every agent-visible ToolSandbox tool in the OpenAI format
 ToolSandbox's own converter (``convert_to_openai_tools``) produces, from the real ToolSandbox through its
 environment server. The library environments' schemas are checked against this extract
 (tests/test_synthesis_library.py) and the extract against the real ToolSandbox (tests/test_toolsandbox.py).
@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from tracekit.artifacts import atomic_write_text
-from tracekit.envs.toolsandbox import ToolSandboxServer
-from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_EXTRACT
+from tracekit.targets.toolsandbox.suite import ToolSandboxServer
+from tracekit.targets.toolsandbox.interface import TOOLSANDBOX_EXTRACT
 
 
 def main() -> None:

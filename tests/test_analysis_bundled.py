@@ -24,8 +24,9 @@ def test_labeling_with_bundled_model_offline(tmp_path):
 
     from tracekit.analysis.compact import CompactConfig
     from tracekit.analysis.labeling import CACHE_FILE, LabelingConfig, LLMLabeler
-    from tracekit.analysis.reference import ReferenceLabeler, agreement, reference_dictionary
-    from tracekit.analysis.replay import gold_calls, replay_trajectory
+    from tracekit.analysis.rules import agreement
+    from tracekit.targets.tau2.labels import ReferenceLabeler, reference_dictionary
+    from tracekit.targets.tau2.replay import gold_calls, replay_trajectory
     from tracekit.llm import make_client
 
     logger.disable("tau2")

@@ -9,20 +9,19 @@ import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # tau2 imports litellm: no price-map download
 
-from tracekit.analysis.reference import (  # noqa: E402
+from tracekit.analysis.rules import agreement, cohen_kappa  # noqa: E402
+from tracekit.targets.tau2.labels import (  # noqa: E402
     MSC,
     PV,
     SDR,
     TCP,
     ReferenceLabeler,
-    agreement,
-    cohen_kappa,
     reference_dictionary,
     reference_labels,
     tau2_gold,
     trajectory_task,
 )
-from tracekit.analysis.replay import Call, gold_calls, replay_trajectory  # noqa: E402
+from tracekit.targets.tau2.replay import Call, gold_calls, replay_trajectory  # noqa: E402
 from tracekit.types import Capability, Label, LabelValue  # noqa: E402
 
 L, P, N = LabelValue.LACKING, LabelValue.PRESENT, LabelValue.NA

@@ -37,14 +37,14 @@ def test_an_unregistered_source_fails_in_one_line_and_the_planted_one_registers_
         "    print(e)\n"
         "import sys\n"
         "assert not any(m.startswith('tracekit.planted') for m in sys.modules)  # llm imports no planted module\n"
-        "import tracekit.planted.warmstart as W\n"
+        "import tracekit.warmstart.planted as W\n"
         "assert B.backbone_source('planted') is W.planted_dir\n"
         "print(B.backbone_source_modules())\n")
     message, modules = out.splitlines()
     assert message.startswith("backbone qwen3_micro: backbone.planted is set but no 'planted' backbone source is "
                               "registered in this process: import the module that owns backbone.planted first")
     assert message.endswith("registered: none")
-    assert modules == "['tracekit.planted.warmstart']"
+    assert modules == "['tracekit.warmstart.planted']"
 
 
 def test_the_app_import_path_registers_the_planted_source():
@@ -57,27 +57,27 @@ def test_a_training_subprocess_imports_the_registered_owners_again(tmp_path):
     """rl.launch.TrainSpec carries the parent's registered owners (through its JSON file) and its subprocess entry
     imports them before it builds the model."""
     out = _run(
-        "import tracekit.planted.warmstart\n"
+        "import tracekit.warmstart.planted\n"
         "from tracekit.rl.launch import Factory, TrainSpec\n"
         "s = TrainSpec(model=Factory('tracekit.rl.toy:tiny_policy'), env=Factory('tracekit.rl.toy:keyword_suite'),"
         " out_dir='x')\n"
         "assert TrainSpec.from_json(s.to_json()) == s\n"
         "print(s.backbone_sources)\n")
-    assert out == "['tracekit.planted.warmstart']"
+    assert out == "['tracekit.warmstart.planted']"
     assert _run(
         "import tracekit.llm.backbones as B\n"
         "from tracekit.rl.launch import Factory, TrainSpec\n"
         "assert TrainSpec(model=Factory('m:f'), env=Factory('m:g'), out_dir='x').backbone_sources == []\n"
         "B.import_backbone_sources(TrainSpec.from_json({'model': {'target': 'm:f'}, 'env': {'target': 'm:g'},"
-        " 'out_dir': 'x', 'grpo': {}, 'backbone_sources': ['tracekit.planted.warmstart']}).backbone_sources)\n"
-        "print(B.backbone_source('planted').__module__)\n") == "tracekit.planted.warmstart"
+        " 'out_dir': 'x', 'grpo': {}, 'backbone_sources': ['tracekit.warmstart.planted']}).backbone_sources)\n"
+        "print(B.backbone_source('planted').__module__)\n") == "tracekit.warmstart.planted"
 
 
 def test_register_refuses_a_name_instead_of_a_function():
     from tracekit.llm.backbones import register_backbone_source
 
     with pytest.raises(TypeError, match="must be a function"):
-        register_backbone_source("elsewhere", "tracekit.planted.warmstart:planted_dir")  # type: ignore[arg-type]
+        register_backbone_source("elsewhere", "tracekit.warmstart.planted:planted_dir")  # type: ignore[arg-type]
 
 
 def _code_strings(path: Path) -> list[str]:

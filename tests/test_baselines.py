@@ -102,7 +102,7 @@ def test_a_target_without_a_training_split_is_refused_in_one_line(make_cfg, monk
     with pytest.raises(ConfigError, match="has none .*benchmark.split=train") as e:
         validate(make_cfg("experiment=smoke", f"eval.methods=[{method}]", "benchmark.split=train"))
     assert "\n" not in str(e.value)
-    import tracekit.envs.tau2 as tau2
+    import tracekit.targets.tau2.suite as tau2
 
     monkeypatch.setattr(tau2, "load_splits", lambda domain: {"test": ("1",), "base": ("1",)})
     with pytest.raises(ConfigError, match=r"no 'train' split in split_tasks.json"):
@@ -132,7 +132,7 @@ def test_untargeted_takes_the_targets_family_or_a_folder_of_packages(make_cfg, t
 
 
 def test_tau2_training_tasks_are_the_train_split_disjoint_from_the_evaluated_ones(make_cfg):
-    from tracekit.envs.tau2 import Tau2Suite
+    from tracekit.targets.tau2.suite import Tau2Suite
     from tracekit.methods.target_train import open_target_train, train_suite_spec
 
     cfg = make_cfg("experiment=smoke")  # tau2 retail, split test, limit 2

@@ -165,7 +165,7 @@ def test_a_coding_config_whose_paths_resolve_only_in_the_app_passes_the_sweep_ca
     """The sweep callback validates each job before Hydra's runtime exists (paths.root_dir holds ${hydra:...}): the
     coding target checks its paths when the job starts instead of refusing every job."""
     from tracekit.coding.sandbox import jail_problem
-    from tracekit.targets import target_of
+    from tracekit.targets.registry import target_of
 
     if jail_problem():
         pytest.skip(f"the coding target refuses this machine first: {jail_problem()}")

@@ -1,16 +1,16 @@
-"""The coding capability library environments (synthesis/library/coding_*.py) and the coding reference labeler."""
+"""The coding capability library environments (tracekit/targets/coding/library/*.py) and the coding reference labeler."""
 
 from __future__ import annotations
 
 import pytest
 
-from tracekit.coding.reference import (
+from tracekit.targets.coding.reference import (
     CodingReferenceLabeler,
     coding_labels,
     reference_dictionary,
 )
 from tracekit.synthesis.library import find_library_env, library_env
-from tracekit.synthesis.library.coding_common import BANK, build_package
+from tracekit.targets.coding.library.common import BANK, build_package
 from tracekit.synthesis.protocol import (
     ground_truth_actions,
     noop_actions,

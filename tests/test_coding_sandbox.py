@@ -26,7 +26,7 @@ import pytest
 
 from tests import procs
 from tracekit.coding import sandbox
-from tracekit.coding.repo import MAX_TREE_BYTES, Workspace, read_tree
+from tracekit.targets.coding.repo import MAX_TREE_BYTES, Workspace, read_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 # wall_seconds: generous, so that a command that should finish (or hit another limit) never meets the wall clock on
@@ -83,10 +83,10 @@ def _python(exe: str, code: str, *args: str, user: int | None = None, drop_cap: 
 
 
 def plant_task_cache(cache: Path, marker: str) -> list[Path]:
-    """A coding-task set written the way ``tracekit.coding.tasks.load_or_generate`` writes it:
+    """A coding-task set written the way ``tracekit.targets.coding.tasks.load_or_generate`` writes it:
     ``<cache>/coding_tasks/<key>/{pristine.json,tasks.jsonl,report.json}`` (gold patch and hidden tests inside)."""
     from tracekit.artifacts import atomic_write_json, write_jsonl
-    from tracekit.coding.tasks import CodingTask
+    from tracekit.targets.coding.tasks import CodingTask
 
     test = f"tests/test_{marker}.py"
     task = CodingTask(
@@ -169,13 +169,13 @@ HUGE = sandbox.CommandLimits(cpu_seconds=120, wall_seconds=120, memory_bytes=1 <
 
 @pytest.fixture(scope="module")
 def taskset(tmp_path_factory):
-    from tracekit.coding.tasks import TaskGenConfig, load_or_generate
+    from tracekit.targets.coding.tasks import TaskGenConfig, load_or_generate
 
     return load_or_generate(TaskGenConfig(**TASKS), tmp_path_factory.mktemp("cache"))
 
 
 def _episode(taskset, task):
-    from tracekit.coding.suite import CodingSuite
+    from tracekit.targets.coding.suite import CodingSuite
 
     suite = CodingSuite("coding_toolz", taskset, split=task.split, limits=HUGE, task_ids=[task.instance_id])
     ep = suite.episode(suite.tasks()[0])
@@ -276,7 +276,7 @@ def test_a_cache_under_a_bound_directory_is_refused(make_cfg, monkeypatch, ws):
     a cache there is neither refused nor visible."""
     from tracekit.artifacts import StageCache
     from tracekit.coding import runtime
-    from tracekit.targets import target
+    from tracekit.targets.registry import target
 
     bound = next((d for d in ("/usr/sbin", "/usr/libexec", "/usr/bin") if d in sandbox.system_binds()
                   and os.access(d, os.W_OK)), None)
@@ -573,7 +573,7 @@ def test_reading_the_copy_back_is_bounded(ws):
 VENV_CHECK = r"""
 import json, sys
 from tracekit.coding import sandbox
-from tracekit.coding.repo import Workspace, run_tests
+from tracekit.targets.coding.repo import Workspace, run_tests
 from tracekit.coding.sandbox import CommandLimits
 files = {"pkg/__init__.py": "def f():\n    return 1\n",
          "tests/test_f.py": "from pkg import f\ndef test_f():\n    assert f() == 1\n"}
@@ -619,7 +619,7 @@ def test_the_jail_runs_with_the_system_python():
 USERNS_CHECK = r"""
 import json, sys
 from tracekit.coding import sandbox
-from tracekit.coding.repo import Workspace
+from tracekit.targets.coding.repo import Workspace
 L = sandbox.CommandLimits(cpu_seconds=5, wall_seconds=10, memory_bytes=512 << 20, processes=48, output_chars=3000,
                           disk_bytes=64 << 20)
 out = {"mode": sandbox.mode(), "accounting": sandbox.accounting().name}
@@ -679,7 +679,7 @@ except sandbox.JailUnavailable as e:
     out["run"] = f"{type(e).__name__}: {e}"
 if os.environ.get("TK_TARGET"):
     from omegaconf import OmegaConf
-    from tracekit.coding.config import build_suite, check
+    from tracekit.targets.coding.config import build_suite, check
     bench = OmegaConf.create({"kind": "coding", "split": "test", "name": "coding_toolz"})
     out["check"] = check(bench)
     cache = Path(os.environ["TK_TARGET"])

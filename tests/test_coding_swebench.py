@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tracekit.coding import swebench as sb
+from tracekit.targets.swebench import suite as sb
 
 SAMPLE = Path(__file__).parent / "data" / "swebench_verified_sample.jsonl"
 

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from tests import procs
-from tracekit.coding import reward as rw
+from tracekit.targets.coding import reward as rw
 from tracekit.coding.sandbox import CommandLimits
-from tracekit.coding.interface import TOOLS
-from tracekit.coding.suite import REMINDER, CodingSuite, gold_actions
-from tracekit.coding.tasks import (
+from tracekit.targets.coding.interface import TOOLS
+from tracekit.targets.coding.suite import REMINDER, CodingSuite, gold_actions
+from tracekit.targets.coding.tasks import (
     CodingTask,
     TaskGenConfig,
     assign_splits,
@@ -51,7 +51,7 @@ def test_generation_reports_candidates_and_keeps_a_valid_task(taskset):
 def test_cache_is_hit_and_keyed_on_the_seed(taskset, tmp_path_factory):
     again = load_or_generate(GEN, taskset.root.parent.parent)
     assert again.root == taskset.root and [t.instance_id for t in again.tasks] == [t.instance_id for t in taskset.tasks]
-    from tracekit.coding.tasks import cache_key
+    from tracekit.targets.coding.tasks import cache_key
 
     v = taskset.report["package"].split("==")[1]
     other = TaskGenConfig(**{**GEN.__dict__, "seed": 1})
@@ -73,7 +73,7 @@ def test_empty_and_malformed_patches_score_zero(taskset):
 def test_hanging_tests_are_killed_at_the_limit(taskset):
     t = taskset.tasks[0]
     path = t.entity.split("::")[0]
-    from tracekit.coding.tasks import _diff
+    from tracekit.targets.coding.tasks import _diff
 
     text = taskset.buggy_tree(t)[path]
     hang = _diff(taskset.buggy_tree(t), {path: text + "\nimport time\nwhile True:\n    time.sleep(1)\n"})
@@ -166,7 +166,7 @@ def test_splice_keeps_indentation():
 
 
 def test_unknown_modifier_is_one_line():
-    from tracekit.coding.tasks import python_modifiers
+    from tracekit.targets.coding.tasks import python_modifiers
 
     with pytest.raises(ValueError, match="unknown swesmith modifier.*func_pm_nope.*known: func_pm"):
         python_modifiers(("func_pm_nope",))
@@ -194,8 +194,8 @@ def test_table2_runs_on_the_coding_target_at_embedded_scale():
 
 
 def test_swebench_target_without_docker_is_one_line(make_cfg):
-    from tracekit.coding import swebench as sb
-    from tracekit.targets import target
+    from tracekit.targets.swebench import suite as sb
+    from tracekit.targets.registry import target
 
     if sb.docker_problem() is None:
         pytest.skip("Docker is available")
@@ -211,7 +211,7 @@ def test_default_generation_gold_scores_one_and_empty_zero_on_every_task(tmp_pat
     resolved by its gold patch and not by the empty one; both splits non-empty and disjoint by function."""
     import yaml
 
-    from tracekit.coding.tasks import python_modifiers
+    from tracekit.targets.coding.tasks import python_modifiers
 
     c = yaml.safe_load(open("conf/benchmark/coding_toolz.yaml"))["coding"]
     cfg = TaskGenConfig(max_per_modifier=c["max_per_modifier"], max_candidates_per_modifier=c["max_candidates_per_modifier"])

@@ -160,7 +160,7 @@ def test_the_default_run_learns(tmp_path):
 
 
 def test_the_shipped_warm_start_is_the_defaults(make_cfg):
-    from tracekit.planted.shipped import verify_shipped
+    from tracekit.warmstart.shipped import verify_shipped
 
     ident = verify_shipped("micro", make_cfg().backbone)
     assert ident["backbone"] == "micro" and "model/model.safetensors" in ident["files"]
@@ -178,7 +178,7 @@ def test_a_warm_start_of_another_key_is_refused_in_one_line(make_cfg):
 
 
 def test_a_shipped_warm_start_whose_files_differ_is_refused_in_one_line(make_cfg, tmp_path, monkeypatch):
-    from tracekit.planted import shipped
+    from tracekit.warmstart import shipped
 
     copy = tmp_path / "warmstarts"
     shutil.copytree(shipped.WARMSTARTS / "micro", copy / "micro")
@@ -196,8 +196,8 @@ def test_a_shipped_warm_start_whose_files_differ_is_refused_in_one_line(make_cfg
 
 def test_installing_puts_the_shipped_files_where_the_warm_start_is_loaded_from(make_cfg, tmp_path):
     from tracekit.llm.backbones import get_spec
-    from tracekit.planted.shipped import install_shipped, shipped_dir
-    from tracekit.planted.warmstart import planted_dir
+    from tracekit.warmstart.shipped import install_shipped, shipped_dir
+    from tracekit.warmstart.planted import planted_dir
     from tracekit.wiring import backbone_dict
 
     cfg = make_cfg()
@@ -212,7 +212,7 @@ def test_the_rebuild_check_compares_the_record_but_for_its_build_time(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     from build_warmstart import same_record
 
-    shipped = json.loads((ROOT / "tracekit" / "planted" / "warmstarts" / "micro" / "planted.json").read_text())
+    shipped = json.loads((ROOT / "tracekit" / "warmstart" / "warmstarts" / "micro" / "planted.json").read_text())
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(shipped))
     b.write_text(json.dumps({**shipped, "seconds": shipped["seconds"] + 100}))

@@ -16,7 +16,7 @@ import pytest
 from tracekit.methods import METHODS
 from tracekit.methods.consolidate import STRATEGIES
 from tracekit.methods.consolidate.merge import MERGES
-from tracekit.targets import kinds
+from tracekit.targets.registry import kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -88,8 +88,8 @@ def test_real_tau2_retail_gold_agent_is_identical_with_and_without_workers(tmp_p
 
 
 def tau2_retail(limit: int) -> EnvSuite:
-    from tracekit.envs.tau2 import Tau2Suite
-    from tracekit.envs.users import ScriptedUser
+    from tracekit.targets.tau2.suite import Tau2Suite
+    from tracekit.targets.tau2.users import ScriptedUser
 
     return Tau2Suite(name="tau2_retail", domains=["retail"], limit=limit, user=ScriptedUser(max_turns=10))
 

@@ -168,7 +168,7 @@ def _infra_errors():
     coding sandbox's jail (tagged, its module imports no tracekit code), and an error raised from one."""
     from tracekit.coding.sandbox import JailUnavailable
     from tracekit.envs.pool import WorkerDied
-    from tracekit.envs.toolsandbox import EnvironmentServerError
+    from tracekit.targets.toolsandbox.suite import EnvironmentServerError
 
     def wrapped():
         try:

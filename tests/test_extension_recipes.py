@@ -1,5 +1,5 @@
-"""The recipes of docs/ARCHITECTURE.md, held (issue 38): adding a target takes <= 5 files, a method with settings
-<= 6, a consolidation strategy with settings 6. Each test follows its recipe in a temporary copy of the tree, with a throwaway target or method that has
+"""The recipes of docs/ARCHITECTURE.md, held (issue 38): adding a target takes one folder, one line of the targets' index,
+its conf/benchmark file and the docs (issue 51), a method with settings <= 6, a consolidation strategy with settings 6. Each test follows its recipe in a temporary copy of the tree, with a throwaway target or method that has
 settings of its own, counts the files the recipe touched, and runs the copy: the config composes with the new
 entry, its settings are checked by the rules it declares (one line), its keys hold its own settings and no other
 target's, and the docs' registry checks pass there."""
@@ -63,13 +63,21 @@ def _docs_checks(copy: Path) -> subprocess.CompletedProcess:
                           cwd=copy, env=env, capture_output=True, text=True, timeout=300)
 
 
-TARGET_MODULE = '''
-"""A throwaway target (tests/test_extension_recipes.py)."""
+TARGET_MODULE = """
+\"\"\"A throwaway target (tests/test_extension_recipes.py): each task asks the agent to say a word back.\"\"\"
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
+from tracekit.agents import GoldAgent
+from tracekit.analysis.rules import RuleLabeler
+from tracekit.envs.base import EnvSuite, Episode, Observation, Outcome, StepResult
+from tracekit.evaluate import summarize
 from tracekit.targets.base import Target
+from tracekit.types import Capability, LabelValue, Message, Task
+
+WORDS = ("apple", "pear", "plum", "fig")
 
 
 @dataclass
@@ -81,37 +89,100 @@ class EchoSettings:
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("plain", "loud")}
 
 
+class EchoEpisode(Episode):
+    def __init__(self, task):
+        self.task, self.said = task, ""
+
+    def reset(self):
+        return Observation([Message(role="system", content="Say the word back."),
+                            Message(role="user", content=self.task.instruction)], [])
+
+    def step(self, action):
+        self.said = action.content or ""
+        return StepResult([], done=True, termination="agent_stop")
+
+    def outcome(self):
+        ok = self.task.data["communicate_info"][0] in self.said
+        return Outcome(float(ok), ok)
+
+
+class EchoSuite(EnvSuite):
+    name = "echo"
+
+    def __init__(self, rounds):
+        self.rounds = rounds
+
+    def tasks(self):
+        return [Task(id=f"{w}-{r}", env="echo", instruction=f"Say {w}.", data={"actions": [], "communicate_info": [w]})
+                for r in range(self.rounds) for w in WORDS]
+
+    def episode(self, task, seed=0):
+        return EchoEpisode(task)
+
+
+class EchoLabeler(RuleLabeler):
+    capabilities = ("echoing",)
+    dictionary_path = Path(__file__)
+
+    def rules(self, traj):
+        return {"echoing": (LabelValue.PRESENT if traj.success else LabelValue.LACKING, "said the word")}
+
+
 class EchoTarget(Target):
     kind = "echo"
     settings = EchoSettings
     domains = ("echo",)
     summary = "a throwaway target"
-'''
+    metric = "pass_rate"
+    columns = ("overall",)
+
+    def build_suite(self, cfg, split, client_for):
+        return EchoSuite(self.own(cfg.benchmark).rounds)
+
+    def reference_dictionary(self):
+        return [Capability(name="echoing", description="says back the word it was asked to")]
+
+    def reference_labeler(self, noise):
+        return EchoLabeler(noise)
+
+    def gold_agent(self):
+        return GoldAgent()
+"""
 
 
-def test_adding_a_target_touches_at_most_5_files(tmp_path):
+def test_adding_a_target_touches_one_folder_one_index_line_its_config_and_the_docs(tmp_path):
     copy = tmp_path / "tree"
     _copy_tree(copy)
     # the recipe (docs/ARCHITECTURE.md, "Adding a target")
-    (copy / "tracekit/targets/echo.py").write_text(TARGET_MODULE)
-    _edit(copy / "tracekit/targets/__init__.py", '_MODULES = {\n', '_MODULES = {\n    "echo": ("echo", "EchoTarget"),\n')
+    (copy / "tracekit/targets/echo").mkdir()
+    (copy / "tracekit/targets/echo/__init__.py").write_text('"""A throwaway target."""\n')
+    (copy / "tracekit/targets/echo/target.py").write_text(TARGET_MODULE)
+    _edit(copy / "tracekit/target_index.py", "KINDS: dict[str, Kind] = {\n",
+          'KINDS: dict[str, Kind] = {\n    "echo": Kind("echo.target:EchoTarget", ("echo",)),\n')
     (copy / "conf/benchmark/echo.yaml").write_text("name: echo\nkind: echo\ndomains: [echo]\necho:\n  rounds: 2\n")
     _edit(copy / "docs/ARCHITECTURE.md", "<!-- /registry -->\n\nA `Target`",
-          "| `echo` | `echo.py` | a throwaway target | none |\n<!-- /registry -->\n\nA `Target`")
-    _edit(copy / "docs/ARCHITECTURE.md", "the registry: base (Target), ", "the registry: base (Target), echo, ")
+          "| `echo` | `echo/` | a throwaway target | none |\n<!-- /registry -->\n\nA `Target`")
+    _edit(copy / "docs/ARCHITECTURE.md", "  targets/              one folder per benchmark.kind, each: ",
+          "  targets/              one folder per benchmark.kind (echo/: target), each: ")
     _edit(copy / "README.md", "**Targets** (`conf/benchmark/`, `benchmark=<name>`): ",
           "**Targets** (`conf/benchmark/`, `benchmark=<name>`): `echo` (a throwaway target), ")
     touched = _touched(copy)
-    assert touched == ["README.md", "conf/benchmark/echo.yaml", "docs/ARCHITECTURE.md", "tracekit/targets/__init__.py",
-                       "tracekit/targets/echo.py"] and len(touched) <= 5
+    assert touched == ["README.md", "conf/benchmark/echo.yaml", "docs/ARCHITECTURE.md", "tracekit/target_index.py",
+                       "tracekit/targets/echo/__init__.py", "tracekit/targets/echo/target.py"]
+    index = (copy / "tracekit/target_index.py").read_text().splitlines()
+    assert len(index) == len((ROOT / "tracekit/target_index.py").read_text().splitlines()) + 1  # one index line
     out = _run(copy, """
         from pathlib import Path
         from tests.conftest import compose_config
+        from tracekit.artifacts import StageCache, read_json
+        from tracekit.pipeline import RunRecord
+        from tracekit.report.logging import RunLogger
+        from tracekit.runs import trajectories_of
+        from tracekit.analysis.discovery import DICTIONARY_FILE
         from tracekit.config import ConfigError
         from tracekit.validate import _leaves, _check_leaf, RANGES, CHOICES
         from tracekit.wiring import rollout_reads
         from tracekit.stages import build_pipeline
-        from tracekit.artifacts import Artifact
         tmp = Path("runs")
         cfg = compose_config(["benchmark=echo"], tmp)
         assert cfg.benchmark.echo.rounds == 2 and "benchmark.echo.rounds" in RANGES and "benchmark.echo.mode" in CHOICES
@@ -131,6 +202,18 @@ def test_adding_a_target_touches_at_most_5_files(tmp_path):
         key = lambda c: pipe.key(c, pipe.stages["rollout"], {})
         assert key(cfg) != key(compose_config(["benchmark=echo", "benchmark.echo.rounds=3"], tmp))
         assert key(cfg) == key(compose_config(["benchmark=echo", "benchmark.toolsandbox.train_seed=7"], tmp))
+        # the target runs: rollout (the gold agent), discover and label (analysis=reference) on its episodes
+        run = compose_config(["benchmark=echo", "agent=gold", "analysis.discovery=reference", "analysis.labeler=reference",
+                              "thresholds.n=2", "logger=none"], tmp)
+        tmp.joinpath("run").mkdir(parents=True)
+        record = RunRecord(tmp / "run")
+        record.logger = RunLogger(run, tmp / "run")  # logger=none: a no-op sink
+        done = pipe.run(run, ["label"], StageCache(tmp / "cache"), record)
+        episodes = trajectories_of(done["rollout"])
+        assert len(episodes) == 8 and all(t.success and t.env == "echo" for t in episodes), episodes
+        assert [c["name"] for c in read_json(done["discover"].path / DICTIONARY_FILE)["capabilities"]] == ["echoing"]
+        report = read_json(done["label"].path / "labeling_report.json")
+        assert report["labeler"] == "reference" and report["labels"] == 2 * 8 and report["missing"] == 0, report
         print("ok")
     """)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

@@ -4,7 +4,7 @@ it changes is one the reward never takes (new files, conftests, tests, test or p
 of it runs). A genuine fix still scores 1, with what it also changed outside the package's source recorded.
 
 The task is a small package made here (``calc``: ``add`` subtracts), evaluated by
-:func:`tracekit.coding.reward.evaluate_patch` exactly as a generated task is. A patch whose files are all dropped
+:func:`tracekit.targets.coding.reward.evaluate_patch` exactly as a generated task is. A patch whose files are all dropped
 needs no test run (fast); one that runs the tests builds two jails (the apply, the run): slow, but for three kept in
 the fast suite (R2, the report-class monkeypatch, ``os._exit``). The gold patches of the default task set are held
 in ``tests/test_coding_tasks.py``.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tracekit.coding import reward as rw
-from tracekit.coding.repo import Workspace
+from tracekit.targets.coding import reward as rw
+from tracekit.targets.coding.repo import Workspace
 from tracekit.coding.sandbox import CommandLimits
 
 LIMITS = CommandLimits(cpu_seconds=60, wall_seconds=60)

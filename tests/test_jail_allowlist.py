@@ -25,7 +25,7 @@ from tracekit.coding import runtime, sandbox
 
 PROBE = r"""
 import json, sys
-from tracekit.coding.repo import Workspace
+from tracekit.targets.coding.repo import Workspace
 from tracekit.coding.sandbox import CommandLimits
 L = CommandLimits(wall_seconds=60, output_chars=200_000)
 planted = json.loads(sys.argv[1])

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tracekit.agents import Agent, GoldAgent
-from tracekit.analysis.reference import ReferenceLabeler, reference_dictionary
+from tracekit.targets.tau2.labels import ReferenceLabeler, reference_dictionary
 from tracekit.config import ConfigError
 from tracekit.validate import validate
-from tracekit.synthesis.library_target import TARGET_SEED_OFFSET, LibraryTargetSuite
+from tracekit.targets.synthetic.suite import TARGET_SEED_OFFSET, LibraryTargetSuite
 from tracekit.llm.base import ChatResponse
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.runs import TRAIN_SEED_OFFSET, synthesis_target

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 from tracekit.agents import GoldAgent
 from tracekit.config import ConfigError
-from tracekit.planted.warmstart import PlantedSpec, gold_episode, world_tokenizer
+from tracekit.warmstart.planted import PlantedSpec, gold_episode, world_tokenizer
 from tracekit.synthesis.library import LIBRARY_NAMES, library_env
-from tracekit.synthesis.library.micro import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT
-from tracekit.synthesis.library_target import LibraryTargetSuite
+from tracekit.targets.micro.library import CAPABILITIES, COMBOS, FINISH, LOOKUP, REFUSE, REPORT
+from tracekit.targets.synthetic.suite import LibraryTargetSuite
 from tracekit.synthesis.protocol import InProcessBackend
 from tracekit.synthesis.validate import ValidationConfig, run_validation
-from tracekit.targets import kind_of_env, target
-from tracekit.targets.micro import MicroLabeler, micro_labels
+from tracekit.target_index import kind_of_env
+from tracekit.targets.registry import target
+from tracekit.targets.micro.target import MicroLabeler, micro_labels
 from tracekit.types import LabelValue, Message, ToolCall, Trajectory
 
 MICRO_ENVS = [n for n in LIBRARY_NAMES if n.startswith("micro_")]
@@ -204,7 +205,7 @@ def test_flawed_demonstrations_plant_a_coin_and_are_refused_where_no_flaw_exists
     import dataclasses
 
     from tracekit.llm.backbones import get_spec
-    from tracekit.planted.warmstart import demonstrations, planted_identity, planted_key
+    from tracekit.warmstart.planted import demonstrations, planted_identity, planted_key
 
     spec = PlantedSpec(family="micro", strong=["write_by_id"], weak=["finish_all_writes"], demos_strong=2,
                        demos_weak=10, weak_correct=0.3)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 from tracekit.config import ConfigError
-from tracekit.planted.warmstart import PlantedSpec, demonstrations, gold_episode, world_tokenizer
+from tracekit.warmstart.planted import PlantedSpec, demonstrations, gold_episode, world_tokenizer
 from tracekit.synthesis.library import library_env
-from tracekit.synthesis.library.micro import (CAPABILITIES, COMBOS, FINISH, HARD_KINDS, KINDS, LOOKUP, REFUSE, REPORT,
+from tracekit.targets.micro.library import (CAPABILITIES, COMBOS, FINISH, HARD_KINDS, KINDS, LOOKUP, REFUSE, REPORT,
                                               WRITE, kind_problem)
-from tracekit.synthesis.library_target import LibraryTargetSuite
+from tracekit.targets.synthetic.suite import LibraryTargetSuite
 from tracekit.synthesis.protocol import InProcessBackend
 from tracekit.synthesis.validate import ValidationConfig, run_validation
-from tracekit.targets.micro import MicroLabeler
+from tracekit.targets.micro.target import MicroLabeler
 from tracekit.types import LabelValue, Message, ToolCall, Trajectory
 
 

@@ -33,7 +33,7 @@ from tracekit.rl.settings import GRPOSettings, LoraSettings
 from tracekit.rl.trainer import GRPOTrainer
 from tracekit.rollout import run_rollouts
 from tracekit.runs import TRAIN_SEED_OFFSET
-from tracekit.synthesis.library_target import LibraryTargetSuite
+from tracekit.targets.synthetic.suite import LibraryTargetSuite
 
 FIXTURE = Path(__file__).parent / "assets" / "micro_warmstart"
 WEAK_ENV = "micro_finish_all_writes"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tracekit.planted.score import precision_recall
-from tracekit.planted.warmstart import DEMO_SEED_OFFSET, PlantedSpec, library_capabilities
+from tracekit.warmstart.planted import DEMO_SEED_OFFSET, PlantedSpec, library_capabilities
 
 STRONG = ["tool_calling_precision", "structured_data_reasoning"]
 WEAK = ["multi_step_task_completion", "precondition_verification"]
@@ -60,7 +60,7 @@ def test_gold_demonstrations_render_as_the_agents_own_calls():
     with the agent's parser) and the report, in the chat format the agent decodes."""
     from tracekit.llm.backbones import bundled_tokenizer
     from tracekit.llm.tools import parse_assistant_text
-    from tracekit.planted.warmstart import demonstrations
+    from tracekit.warmstart.planted import demonstrations
 
     tok = bundled_tokenizer("smollm2")
     spec = PlantedSpec(strong=["tool_calling_precision"], weak=["multi_step_task_completion"], demos_strong=2,

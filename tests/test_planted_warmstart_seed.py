@@ -9,7 +9,7 @@ import pytest
 
 from tracekit.llm.backbones import get_spec
 from tracekit.planted.gain import init_seed
-from tracekit.planted.warmstart import PlantedSpec, initial_base, planted_key
+from tracekit.warmstart.planted import PlantedSpec, initial_base, planted_key
 
 
 def _spec(**kw) -> PlantedSpec:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from tests import procs
 from tracekit.validate import validate
-from tracekit.reproduce.paper import cuts, setting_line
+from tracekit.report.paper import cuts, setting_line
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_GROUPS = ("benchmark", "backbone", "agent", "user", "thresholds", "analysis", "synthesis", "grpo", "moe",

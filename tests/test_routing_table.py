@@ -23,7 +23,7 @@ from tracekit.report.routing import (DECISIONS_CSV, EPISODES_CSV, ROUTING_MD, Ro
                                      routing_table)
 from tracekit.rl.toy import tiny_model, tiny_tokenizer
 from tracekit.rollout import TRAJECTORIES
-from tracekit.synthesis.library.micro import MicroFinishAllWrites, MicroRefuseLocked
+from tracekit.targets.micro.library import MicroFinishAllWrites, MicroRefuseLocked
 from tracekit.types import Message, ToolCall, Trajectory
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

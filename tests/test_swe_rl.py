@@ -1,10 +1,10 @@
-"""SWE-RL's reward (tracekit/coding/reward.py) against values computed by hand from its definition."""
+"""SWE-RL's reward (tracekit/targets/coding/reward.py) against values computed by hand from its definition."""
 
 from __future__ import annotations
 
 import pytest
 
-from tracekit.coding.reward import (
+from tracekit.targets.coding.reward import (
     FORMAT_ERROR,
     change_similarities,
     file_diff,

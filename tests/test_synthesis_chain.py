@@ -182,7 +182,7 @@ def test_the_gate_trains_on_each_chains_successes_and_counts_every_episode(tmp_p
     from tracekit.methods.consolidate.composite import (COMPOSITE_SETTINGS, chain_examples, composite_inputs,
                                                         composite_reads, with_chains)
     from tracekit.moe.gate import GateExample
-    from tracekit.planted.warmstart import world_tokenizer
+    from tracekit.warmstart.planted import world_tokenizer
 
     settings = SynthesisSettings.of(SynthesisConfig(validation_seeds=5, difficulty=0, chain_seeds=4, chain_samples=2,
                                                     chains=["refuse_locked+finish_all_writes"]), None)

@@ -168,7 +168,7 @@ def test_datetime_reasoning_rewards_decoding_the_clock():
 
 
 def test_datetime_tools_are_utc_and_match_toolsandbox_semantics():
-    from tracekit.synthesis.library.toolsandbox_common import ToolSandboxWorld, initial_state, us_holidays
+    from tracekit.targets.toolsandbox.library.common import ToolSandboxWorld, initial_state, us_holidays
 
     world = ToolSandboxWorld(initial_state(datetime(2026, 3, 26, 10, 17, 53)))
     ts = world.call("get_current_timestamp", {})

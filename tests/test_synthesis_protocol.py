@@ -69,7 +69,7 @@ def test_verdict_bounds_and_ground_truth_shape():
 def test_find_env_class_rules():
     import types
 
-    from tracekit.synthesis.library.datetime_reasoning import DatetimeReasoning
+    from tracekit.targets.toolsandbox.library.datetime_reasoning import DatetimeReasoning
 
     module = types.ModuleType("m")
     with pytest.raises(TypeError, match="exactly one concrete SyntheticEnv subclass \\(found: none\\)"):

@@ -166,3 +166,15 @@ def test_what_generated_environments_import_loads_no_native_library():
             "assert not loaded and 'torch' not in sys.modules, (loaded, 'torch' in sys.modules)\n")
     r = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_package_cached_before_the_worlds_moved_imports_their_old_module_paths():
+    """Issue 51 moved each world's library into tracekit/targets/<kind>/: a generated environment cached before
+    imports its family's module by its old name, which the sandbox still serves (tracekit.target_index.MOVED_MODULES)."""
+    src = "from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT as OLD_PROMPT\n" + replaced(
+        'state = {"device": device,', 'state = {"old_prompt": OLD_PROMPT, "device": device,')
+    backend = SandboxBackend(src, LIMITS, target="toolsandbox")
+    try:
+        assert backend.generate([0])[0].state["old_prompt"].startswith("Don't make assumptions")
+    finally:
+        backend.close()

@@ -1,6 +1,7 @@
-"""synthesis/targets.py as a table (issue 38, item 5) and the library families that replaced the ``tau2`` name-prefix
-tests: the answers are the ones the if-chains and prefix tests gave, recorded by running that code (commit f798941)
-before the change, for every target of the table, an unknown name, and every capability of the library."""
+"""synthesis/targets.py's interfaces (issue 38, item 5; the targets' index since issue 51) and the library families that
+replaced the ``tau2`` name-prefix tests: the answers are the ones the if-chains and prefix tests gave, recorded by
+running that code (commit f798941) before the change, for every interface of the index, an unknown name, and every
+capability of the library."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import json
 import pytest
 
 from tracekit.synthesis import targets as T
-from tracekit.synthesis.library import (LIBRARY_NAMES, _target_family, family_environments, find_library_env,
-                                        library_env, library_family)
+from tracekit.synthesis.library import LIBRARY_NAMES, family_environments, find_library_env, library_env, library_family
+from tracekit.target_index import INTERFACES
 
 HAS_TAU2 = importlib.util.find_spec("tau2") is not None
 
@@ -85,8 +86,8 @@ def _sha(x) -> str:
 
 
 def test_the_table_lists_the_targets_in_the_old_order():
-    assert T.TARGETS == ("tau2_airline", "tau2_retail", "toolsandbox", "coding", "micro") == tuple(T.INTERFACES)
-    assert T.TAU2_TARGETS == ("tau2_airline", "tau2_retail")
+    assert T.TARGETS == ("tau2_airline", "tau2_retail", "toolsandbox", "coding", "micro") == tuple(INTERFACES)
+    assert tuple(t for t in T.TARGETS if T.target_family(t) == "tau2") == ("tau2_airline", "tau2_retail")
 
 
 @pytest.mark.parametrize("target", list(OLD_INTERFACES))
@@ -109,7 +110,6 @@ def test_an_unknown_target_raises_the_old_error(name):
 
 def test_families_of_targets_and_library_environments():
     assert {t: T.target_family(t) for t in OLD_FAMILY} == OLD_FAMILY
-    assert {t: _target_family(t) for t in OLD_FAMILY} == OLD_FAMILY  # methods.untargeted's name for it
     assert family_environments("tau2") == TAU2 and family_environments("nope") == ()
     assert [n for f in ("tau2", "toolsandbox", "coding", "micro") for n in family_environments(f)] == list(LIBRARY_NAMES)
     with pytest.raises(KeyError, match="no built-in synthetic environment 'nope'"):
@@ -135,8 +135,8 @@ def test_find_library_env_and_pick_example_give_the_old_answers(target):
 
 
 def test_the_tau2_readers_of_the_family_give_the_old_answers():
-    from tracekit.analysis.reference import _library_tau2_envs
-    from tracekit.planted.warmstart import library_capabilities
+    from tracekit.targets.tau2.labels import _library_tau2_envs
+    from tracekit.warmstart.planted import library_capabilities
 
     assert _library_tau2_envs() == TAU2
     assert {f: library_capabilities(f) for f in OLD_CAPABILITIES} == OLD_CAPABILITIES

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tracekit.config import ConfigError
-from tracekit.targets import kinds, target
+from tracekit.targets.registry import kinds, target
 
 
 def test_the_paper_task_sets_are_the_targets():
@@ -19,7 +19,7 @@ def test_the_paper_task_sets_are_the_targets():
 
 
 def test_cuts_and_descriptions_come_from_the_target(make_cfg):
-    from tracekit.reproduce.paper import _is_tau2, describe_target, target_cut
+    from tracekit.report.paper import _is_tau2, describe_target, target_cut
 
     full = make_cfg("benchmark=tau2", "benchmark.limit=null", "benchmark.split=base")
     assert target_cut(full) is None and _is_tau2(full)

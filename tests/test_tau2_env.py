@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tracekit.agents import GoldAgent
-from tracekit.envs import tau2 as T
+from tracekit.targets.tau2 import suite as T
 from tracekit.evaluate import summarize
 from tracekit.rollout import read_trajectories, run_rollouts
 from tracekit.types import Message, Task, ToolCall

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from tracekit.targets import target_of
+from tracekit.targets.registry import target_of
 
 
 def _protocol(cfg) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from tracekit.agents import AgentState, GoldAgent, LLMAgent, turn_seed
-from tracekit.envs import tau2 as T
+from tracekit.targets.tau2 import suite as T
 from tracekit.llm.base import ChatClient, ChatRequest, ChatResponse, EndpointError
 from tracekit.rollout import episode_seed, read_trajectories, run_rollouts, single_token_record
 from tracekit.types import Message, ToolCall, stable_hash

@@ -13,7 +13,7 @@ import pytest
 
 from tests import procs
 from tracekit.agents import GoldAgent
-from tracekit.envs import tau2 as T
+from tracekit.targets.tau2 import suite as T
 from tracekit.evaluate import summarize
 from tracekit.rollout import TRAJECTORIES, read_trajectories, run_rollouts
 
@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from tracekit.agents import GoldAgent
-    from tracekit.envs.tau2 import Tau2Suite
+    from tracekit.targets.tau2.suite import Tau2Suite
     from tracekit.rollout import run_rollouts
 
     class SlowGold(GoldAgent):

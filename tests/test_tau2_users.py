@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracekit.envs.users import (
+from tracekit.targets.tau2.users import (
     LLMUser,
     ScriptedUser,
     UserScenario,

@@ -13,9 +13,9 @@ import pytest
 
 from tracekit.config import ConfigError
 from tracekit.validate import validate
-from tracekit.envs.toolsandbox import INSTALL_STEP, missing_environment
-from tracekit.targets import (
-    kind_of_env,
+from tracekit.targets.toolsandbox.suite import INSTALL_STEP, missing_environment
+from tracekit.target_index import kind_of_env
+from tracekit.targets.registry import (
     kinds,
     target,
     target_of,
@@ -46,7 +46,7 @@ def test_targets_give_their_synthesis_family(make_cfg):
     assert target("tau2").synthesis_family(make_cfg("experiment=embedded", "benchmark=tau2")) == "tau2_retail"
     assert target("toolsandbox").synthesis_family(make_cfg("experiment=embedded", "benchmark=toolsandbox")) == "toolsandbox"
     assert kind_of_env("toolsandbox") == kind_of_env("toolsandbox_all_tools") == "toolsandbox"
-    assert kind_of_env("toolsandbox_datetime_reasoning") == "synthetic"  # a library environment of the family
+    assert kind_of_env("toolsandbox_datetime_reasoning") == "toolsandbox"  # a library environment: its family's analysis
     assert kind_of_env("tau2_retail") == "tau2"
 
 
@@ -72,7 +72,7 @@ def test_toolsandbox_domains_and_split_are_checked(make_cfg, monkeypatch, tmp_pa
 
 def test_eval_benchmark_evaluates_on_another_target(make_cfg, monkeypatch, tmp_path):
     """Table 8: trained on one target, every policy rolled out on another (its contents in the evaluate key)."""
-    from tracekit.targets import evaluation_config
+    from tracekit.targets.registry import evaluation_config
     from tracekit.stages import build_pipeline
 
     cfg = make_cfg("experiment=embedded", "benchmark=tau2_mini", "eval.benchmark=toolsandbox")
@@ -117,7 +117,7 @@ def _result(i, name, text, error=False):
 
 
 def test_reference_labeler_rules():
-    from tracekit.targets.toolsandbox_labels import toolsandbox_labels
+    from tracekit.targets.toolsandbox.labels import toolsandbox_labels
 
     blocked = [_call(0, "set_wifi_status", {"on": True}),
                _result(0, "set_wifi_status", "PermissionError: Wifi cannot be turned on in low battery mode", True)]
@@ -143,7 +143,7 @@ def test_reference_labeler_rules():
 
 @pytest.fixture(scope="module")
 def suite():
-    from tracekit.envs.toolsandbox import ToolSandboxSuite
+    from tracekit.targets.toolsandbox.suite import ToolSandboxSuite
 
     s = ToolSandboxSuite(task_ids=["get_cellular", "cellular_off", "search_message_with_recency_latest",
                                    "turn_on_wifi_low_battery_mode", "find_days_till_holiday"])
@@ -161,7 +161,7 @@ def _run(suite, agent, out, **kw):
 @needs_venv
 def test_real_scenarios_tools_and_prompt(suite):
     from tracekit.synthesis.library import LIBRARY_NAMES, library_env
-    from tracekit.envs.toolsandbox_interface import TOOLSANDBOX_SYSTEM_PROMPT
+    from tracekit.targets.toolsandbox.interface import TOOLSANDBOX_SYSTEM_PROMPT
     from tracekit.synthesis.targets import schema_mismatch, target_tools
 
     rows = suite.server.request("scenarios", variants=[])
@@ -181,7 +181,7 @@ def test_real_scenarios_tools_and_prompt(suite):
 
 @needs_venv
 def test_oracle_and_unhelpful_scores_equal_toolsandboxs_own_play(suite, tmp_path):
-    from tracekit.envs.toolsandbox import (
+    from tracekit.targets.toolsandbox.suite import (
         ToolSandboxOracle,
         UnhelpfulAgent,
         replay_inputs,
@@ -201,7 +201,7 @@ def test_oracle_and_unhelpful_scores_equal_toolsandboxs_own_play(suite, tmp_path
 
 @needs_venv
 def test_server_death_mid_episode_is_run_again_and_the_run_goes_on(suite, tmp_path):
-    from tracekit.envs.toolsandbox import ToolSandboxOracle, replay_inputs
+    from tracekit.targets.toolsandbox.suite import ToolSandboxOracle, replay_inputs
 
     class Killer(ToolSandboxOracle):
         """The oracle, that kills the server once, after its first batched action (every episode live): the
@@ -231,7 +231,7 @@ def test_server_death_mid_episode_is_run_again_and_the_run_goes_on(suite, tmp_pa
 
 @needs_venv
 def test_a_killed_run_resumes_with_one_result_per_scenario_and_sample(suite, tmp_path):
-    from tracekit.envs.toolsandbox import ToolSandboxOracle
+    from tracekit.targets.toolsandbox.suite import ToolSandboxOracle
     from tracekit.rollout import TRAJECTORIES, load_done
 
     tasks = suite.tasks()
@@ -248,7 +248,7 @@ def test_a_killed_run_resumes_with_one_result_per_scenario_and_sample(suite, tmp
 def test_a_scenario_that_raises_inside_toolsandbox_is_recorded_and_counted_and_the_run_goes_on(suite, tmp_path):
     """ToolSandbox's own user simulator raising (its endpoint unreachable) inside the scenario's play: that episode
     is recorded with ToolSandbox's error and counted; the server keeps serving the next one."""
-    from tracekit.envs.toolsandbox import ToolSandboxSuite, UnhelpfulAgent
+    from tracekit.targets.toolsandbox.suite import ToolSandboxSuite, UnhelpfulAgent
 
     dead_user = {"kind": "llm", "base_url": "http://127.0.0.1:9/v1", "model": "none", "timeout_s": 2, "max_retries": 0}
     broken = ToolSandboxSuite(task_ids=["get_cellular", "cellular_off"], user=dead_user, server=suite.server)
@@ -265,7 +265,7 @@ def test_toolsandboxs_own_user_simulator_drives_the_conversation_through_the_con
     scenario's user instruction and the end_conversation tool, its text reaches the agent, its tool call ends the
     episode, and ToolSandbox's own play of the recorded turns scores the same."""
     from tests.openai_stub import Reply, StubOpenAIServer
-    from tracekit.envs.toolsandbox import (
+    from tracekit.targets.toolsandbox.suite import (
         ToolSandboxSuite,
         UnhelpfulAgent,
         replay_inputs,

@@ -1,4 +1,4 @@
-"""ToolSandbox's training split (``benchmark.toolsandbox.train_split``, :mod:`tracekit.targets.toolsandbox`): ``heldout`` (a seeded
+"""ToolSandbox's training split (``benchmark.toolsandbox.train_split``, :mod:`tracekit.targets.toolsandbox.target`): ``heldout`` (a seeded
 category-stratified half of the base scenarios, never evaluated) and ``eval`` (the evaluated scenarios, the rows
 marked so); its checks before any work, its place in the cache keys, the planning of the paper's ToolSandbox rows
 (fast, from the committed scenario catalog); and GRPO on target end to end under both, on the real ToolSandbox
@@ -18,9 +18,9 @@ import pytest
 from tests import procs
 from tracekit.config import ConfigError
 from tracekit.validate import validate
-from tracekit.envs.toolsandbox import missing_environment
-from tracekit.targets import target
-from tracekit.targets.toolsandbox import (
+from tracekit.targets.toolsandbox.suite import missing_environment
+from tracekit.targets.registry import target
+from tracekit.targets.toolsandbox.target import (
     EVAL_NOTE,
     TRAIN_SPLITS,
     catalog,
@@ -144,7 +144,7 @@ def test_bad_split_settings_are_one_config_error_line(make_cfg, venv_present, ba
 
 
 def test_a_split_that_leaves_no_training_scenario_is_refused(make_cfg, venv_present, monkeypatch):
-    import tracekit.targets.toolsandbox as ts
+    import tracekit.targets.toolsandbox.target as ts
 
     monkeypatch.setattr(ts, "heldout_train_scenarios", lambda seed, *a, **k: [])
     with pytest.raises(ConfigError, match="leaves no training scenario") as e:
@@ -154,7 +154,7 @@ def test_a_split_that_leaves_no_training_scenario_is_refused(make_cfg, venv_pres
 
 
 def test_the_paper_target_is_the_full_129_only_under_eval(make_cfg):
-    from tracekit.reproduce.paper import describe_target, target_cut
+    from tracekit.report.paper import describe_target, target_cut
 
     full = ("benchmark=toolsandbox", "benchmark.limit=null")  # the embedded default cuts the scenarios
     assert target_cut(make_cfg(*full, "benchmark.toolsandbox.train_split=eval")) is None
@@ -178,7 +178,7 @@ def test_every_toolsandbox_row_of_the_paper_plans(venv_present):
 
 @needs_venv
 def test_the_catalog_is_what_the_real_toolsandbox_lists():
-    from tracekit.envs.toolsandbox import ToolSandboxServer
+    from tracekit.targets.toolsandbox.suite import ToolSandboxServer
 
     server = ToolSandboxServer()
     try:

@@ -65,7 +65,7 @@ def test_real_vllm_server_episodes_and_adapter_swap(tmp_path):
     from tracekit.llm.templates import TEMPLATES
     from tracekit.rl.episodes import EpisodeSpec, run_episodes
     from tracekit.rl.vllm_client import SUPPORTED_VLLM, VLLMEngine, VLLMSettings
-    from tracekit.synthesis.library_target import LibraryTargetSuite
+    from tracekit.targets.synthetic.suite import LibraryTargetSuite
     from tracekit.types import Message
 
     tok = AutoTokenizer.from_pretrained(FIXTURE, local_files_only=True)

@@ -7,7 +7,7 @@
     python -m tracekit.reproduce table1 scale=embedded    # a paper table (tracekit/reproduce/)
 
 Every run's first log line and ``summary.md`` state its preset and each value that differs from the paper's
-(:mod:`tracekit.reproduce.paper`), so a cut run never passes for a paper run.
+(:mod:`tracekit.report.paper`), so a cut run never passes for a paper run.
 
 What the user must fix ends the run with one ``tracekit:`` line on stderr and exit status 2, before any work where it
 can be known then: a root the run dir cannot be written under, a cache a run with misses cannot write, a bad value or
@@ -38,11 +38,11 @@ from tracekit.config import USER_ERRORS, ConfigError, interpolation_message
 from tracekit.schema import register_configs
 from tracekit.llm.backbones import cache_root
 from tracekit.pipeline import RunRecord
-from tracekit.planted.shipped import install_shipped
+from tracekit.warmstart.shipped import install_shipped
 from tracekit.report.ladder import LADDER_PNG, RESULTS_MD
 from tracekit.report.preset import built_on_line, built_on_markdown, preset_cuts
 from tracekit.report.logging import RESUMING_ENV, RunLogger, check_resumed_config, log_traceback_to_file
-from tracekit.reproduce.paper import cuts, cuts_dict, setting_line, setting_markdown
+from tracekit.report.paper import cuts, cuts_dict, setting_line, setting_markdown
 from tracekit.stages import build_pipeline
 from tracekit.validate import needed_endpoints, probe_endpoints, validate
 
@@ -127,7 +127,7 @@ def _also(e: BaseException) -> str:
 
 def install_warm_start(cfg: DictConfig) -> None:
     """``warm_start=<name>``: the shipped warm start, verified (validate did), copied into the planted cache folder
-    where every stage loads it from (:mod:`tracekit.planted.shipped`)."""
+    where every stage loads it from (:mod:`tracekit.warmstart.shipped`)."""
     if cfg.get("warm_start") is None:
         return
     path, copied = install_shipped(cfg.warm_start, cfg.backbone)

@@ -76,7 +76,7 @@ class BackboneConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     device: str = "auto"
     arch: dict[str, Any] = field(default_factory=dict)  # architecture numbers (meta/random builds)
-    planted: Any = None  # a planted warm start (a dict or None) (tracekit/planted/warmstart.py; experiment=planted)
+    planted: Any = None  # a planted warm start (a dict or None) (tracekit/warmstart/planted.py; experiment=planted)
 
     CHOICES: ClassVar[dict[str, Choice]] = {
         "source": BACKBONE_SOURCE_KINDS, "chat_format": CHAT_FORMATS, "dtype": (*DTYPES, "float16"),
@@ -220,7 +220,7 @@ class ScaleConfig:
     """The scale profile (``conf/scale/``): which backbones and budgets a run uses. ``paper``: the paper's (a GPU
     cluster); ``embedded``: the bundled model on 2 CPU cores with budgets cut; ``none``: no profile applied (the
     groups' and the experiment's own values). The run's first log line and summary name every value that
-    differs from the paper's (:mod:`tracekit.reproduce.paper`), whatever the profile."""
+    differs from the paper's (:mod:`tracekit.report.paper`), whatever the profile."""
 
     name: str = "none"
     backbone: str | None = None  # a table's blocks all run on this backbone (None: each block's own)

@@ -24,7 +24,7 @@ from tracekit.rl.launch import Factory, TrainSpec, train
 from tracekit.rl.settings import LauncherSettings
 from tracekit.synthesis.stage import MANIFEST
 from tracekit.rollout import TRAJECTORIES, is_infra_record, read_trajectories, run_rollouts
-from tracekit.targets import evaluation_config, target_of
+from tracekit.targets.registry import evaluation_config, target_of
 from tracekit.types import stable_hash
 from tracekit.wiring import (AGENT_ENGINE_READS, backbone_dict, build_agent, build_suite, device, dtype, engine_spec,
                              env_reply_timeout, env_workers, infra_retries, plain, rollout_reads, select, suite_spec,

@@ -1,6 +1,6 @@
 """The whole config's schema, assembled above the registries: the groups' owners (:mod:`tracekit.config` and the
 analysis, synthesis and selection packages), the ``benchmark`` group from the targets registry
-(:func:`tracekit.targets.benchmark_schema`), the ``baselines`` group from the methods registry
+(:func:`tracekit.targets.registry.benchmark_schema`), the ``baselines`` group from the methods registry
 (:func:`tracekit.methods.baselines_schema`) and the ``consolidation`` group from the strategies registry
 (:func:`tracekit.methods.consolidate.consolidation_schema`). Hydra composes ``conf/config.yaml`` over it, so a typo'd key or a
 wrongly typed value fails at composition; :func:`tracekit.validate.validate` checks every value against the rules the
@@ -24,7 +24,7 @@ from tracekit.methods.consolidate import consolidation_schema
 from tracekit.rl.settings import LauncherSettings
 from tracekit.stages import build_pipeline
 from tracekit.synthesis.settings import SynthesisConfig
-from tracekit.targets import benchmark_schema
+from tracekit.targets.registry import benchmark_schema
 
 
 def method_names() -> tuple[str, ...]:
@@ -53,7 +53,7 @@ def config_schema() -> type:
     return make_dataclass("Config", [
         *((name, cls, field(default_factory=cls)) for name, cls in groups),
         ("experiment", Any, field(default=None)),
-        # a shipped warm start (tracekit/planted/warmstarts/<name>/) installed instead of training backbone.planted's:
+        # a shipped warm start (tracekit/warmstart/warmstarts/<name>/) installed instead of training backbone.planted's:
         # the same weights bit for bit, so no stage reads it (keys unchanged); checked against the planted key
         ("warm_start", Optional[str], field(default=None)),
         # {preset: the preset this one is built on, cuts: {key: why}}: named in the first log line and summary.md
@@ -63,7 +63,7 @@ def config_schema() -> type:
         ("seed", int, field(default=42)),
         ("name", str, field(default="default")),
     ], namespace={"RANGES": {"seed": ">= 0"},
-                  # warm_start: a name; which names are shipped is planted.shipped's to say (validate: one line)
+                  # warm_start: a name; which names are shipped is warmstart.shipped.s to say (validate: one line)
                   "CHOICES": {**REGISTRY_CHOICES, "warm_start": r"[A-Za-z0-9_.-]+"}})
 
 

@@ -36,7 +36,7 @@ from tracekit.synthesis.calibrate import make_rollout_fn
 from tracekit.synthesis.chain import chain_sampler
 from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.synthesis.stage import MANIFEST, SynthesisSettings, synthesize
-from tracekit.targets import benchmark_identity, evaluation_config, family_reads, target_of, target_of_trajectories
+from tracekit.targets.registry import benchmark_identity, evaluation_config, family_reads, target_of, target_of_trajectories
 from tracekit.types import stable_hash
 from tracekit.wiring import client_for, llm_agent, plain, rollout_reads
 

@@ -27,8 +27,8 @@ from tracekit.llm.openai import OpenAIChatClient
 from tracekit.llm.world_tokenizer import MIN_VOCAB as MIN_WORLD_VOCAB
 from tracekit.methods import METHODS, validate_methods
 from tracekit.methods.consolidate import STRATEGIES
-from tracekit.planted.shipped import verify_shipped
-from tracekit.planted.warmstart import PlantedSpec, longest_gold_episode, world_tokenizer
+from tracekit.warmstart.shipped import verify_shipped
+from tracekit.warmstart.planted import PlantedSpec, longest_gold_episode, world_tokenizer
 from tracekit.report.preset import check_built_on
 from tracekit.ranges import check_choice, check_value, declared, field_hints
 from tracekit.rl.settings import GRPORecipe, LauncherSettings
@@ -36,8 +36,8 @@ from tracekit.rl.vllm_client import check_recipe, vllm_settings
 from tracekit.schema import config_schema, stage_names
 from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.stages import build_pipeline
-from tracekit.targets import evaluation_config, target_of
-from tracekit.targets import kinds as target_kinds
+from tracekit.targets.registry import evaluation_config, target_of
+from tracekit.targets.registry import kinds as target_kinds
 
 # every rule the groups' owners declare, by the dotted key of its field (ranges: "[a, b]", "(a, b]", "> a", ">= a";
 # choices: a tuple, a function giving one, or a regular expression; null passes where a field is optional, a list

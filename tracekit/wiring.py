@@ -19,8 +19,8 @@ from tracekit.episodes import INFRA_RETRIES
 from tracekit.llm import make_client
 from tracekit.llm.backbones import keeping_cached_models, register_model_cache, release_memory
 from tracekit.pipeline import plain
-from tracekit.targets import benchmark_reads, target_of
-from tracekit.targets.tau2 import build_user as tau2_user
+from tracekit.targets.registry import benchmark_reads, target_of
+from tracekit.targets.tau2.target import build_user as tau2_user
 from tracekit.types import stable_hash
 
 
@@ -133,7 +133,7 @@ def release_client(cfg: DictConfig, role: str) -> None:
 
 
 def build_user(cfg: DictConfig) -> Any:
-    """tau^2's simulated user (:func:`tracekit.targets.tau2.build_user`)."""
+    """tau^2's simulated user (:func:`tracekit.targets.tau2.target.build_user`)."""
     return tau2_user(cfg, client_for)
 
 

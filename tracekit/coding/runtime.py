@@ -56,7 +56,7 @@ FORMAT = 1  # bump when what a runtime holds changes (its key changes with it)
 RUNTIME_DISTS = ("pytest",)  # what a task's test run needs; their requirements come with them
 MIN_HASHED = 128  # a file this small equal to a hidden one is not masked (it tells nothing: blank __init__.py)
 SCAN_TTL_S = 600.0  # a bound tree is walked again after this long (a cache left there since is found)
-CACHE_DIR_NAMES = ("coding_tasks",)  # tracekit.coding.tasks.load_or_generate's cache directory
+CACHE_DIR_NAMES = ("coding_tasks",)  # tracekit.targets.coding.tasks.load_or_generate's cache directory
 ARTIFACT_MARKER = "COMPLETE.json"  # tracekit.artifacts.COMPLETE: a stage artifact (trajectories hold gold patches)
 
 

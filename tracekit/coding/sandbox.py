@@ -3,7 +3,7 @@
 Every command is a fresh process tree in a jail (:mod:`tracekit.coding._jail`); nothing persists between commands
 but the files of the copy. There is no uncontained fallback: where the jail cannot be set up, :func:`run` raises
 :class:`JailUnavailable` with one line naming what is missing (:func:`jail_problem`), and the coding target refuses
-to run (``tracekit.coding.config.check``, at validation, before any work).
+to run (``tracekit.targets.coding.config.check``, at validation, before any work).
 
 **What the command sees** (an allow-list: nothing of the host is shown unless named here): an empty tmpfs root
 into which are bound, read-only, the system's programs and libraries (``/usr/bin``, ``/usr/sbin``, ``/usr/lib*``,
@@ -56,7 +56,7 @@ no process outlives its command, so this bounds everything of the episode that c
   namespace (counted per namespace since Linux 5.14, so it bounds this command's processes, not the uid's).
   ``TRACEKIT_SANDBOX_ACCOUNTING=cgroup2|cgroup1|watchdog`` forces one (refused in one line where it cannot work).
 
-Disk, per episode: as root a :class:`~tracekit.coding.repo.Workspace`'s copy is a tmpfs of its initial size plus
+Disk, per episode: as root a :class:`~tracekit.targets.coding.repo.Workspace`'s copy is a tmpfs of its initial size plus
 ``disk_bytes`` (:func:`bounded_dir`): writes past it fail with ``No space left on device`` across all the
 episode's commands; otherwise the watchdog polls the size of the writable paths and kills the command over it.
 

@@ -28,7 +28,7 @@ from tracekit.types import Message, Task
 class InfraError(RuntimeError):
     """The environment's infrastructure failed, not the agent: an env worker died or hung
     (:class:`tracekit.envs.pool.WorkerDied`), the environment server failed
-    (:class:`tracekit.envs.toolsandbox.EnvironmentServerError`), the coding sandbox could not run a command
+    (:class:`tracekit.targets.toolsandbox.suite.EnvironmentServerError`), the coding sandbox could not run a command
     (``tracekit.coding.sandbox.JailUnavailable``, tagged ``infra = True``). An episode that ends on one is not an
     outcome: the episode core (:func:`tracekit.episodes.drive_episodes`) runs it again from scratch, a bounded number
     of times (``rollout.infra_retries``), and never yields it to a runner: no artifact or training batch holds it."""

@@ -79,7 +79,7 @@ class BackboneSpec:
     hf_id: str | None = None
     seed: int = 0
     notes: str = ""  # where the architecture numbers come from
-    planted: dict[str, Any] | None = None  # a planted warm start (tracekit.planted.warmstart), built once, cached
+    planted: dict[str, Any] | None = None  # a planted warm start (tracekit.warmstart.planted), built once, cached
     # bundled: the source's own (SmolLM2's for random and gguf); world: trained by the planted warm start on its
     # family's episodes (llm/world_tokenizer.py), so a world-tokenizer backbone exists only with backbone.planted
     tokenizer: str = "bundled"

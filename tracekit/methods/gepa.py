@@ -49,7 +49,7 @@ from tracekit.policy import Budget, Policy
 from tracekit.ranges import Choice
 from tracekit.rollout import TRAJECTORIES, load_done, run_rollouts
 from tracekit.synthesis.stage import trajectory_excerpt
-from tracekit.targets import target, target_of
+from tracekit.targets.registry import target, target_of
 from tracekit.types import Message, stable_hash
 from tracekit.wiring import client_for, llm_agent, release_client, select
 

@@ -29,7 +29,7 @@ from tracekit.pipeline import Stage
 from tracekit.policy import Policy, grpo_budget
 from tracekit.rl.launch import Factory
 from tracekit.runs import GRPO_RUN_READS_OWN_CHECKPOINTS, grpo_run, matched_iterations, train_seeds
-from tracekit.targets import target
+from tracekit.targets.registry import target
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``swe_rl``: the SWE-RL baseline (Wei et al., 2025; paper Table 2): the GRPO recipe on the coding target's
 training tasks with SWE-RL's rule-based reward instead of the tests.
 
-SWE-RL's reward (:func:`tracekit.coding.reward.swe_rl_reward`, written from its definition) scores the patch
+SWE-RL's reward (:func:`tracekit.targets.coding.reward.swe_rl_reward`, written from its definition) scores the patch
 against the oracle's per-file diffs; the coding suite computes it (built with ``reward="swe_rl"``). The oracle
 is the task's gold patch (the bug's reverse). Training tasks, budget (matched to TRACE's per-capability GRPO episodes
 unless ``baselines.swe_rl.episodes`` is set), engine and LoRA are ``grpo_target``'s.
@@ -17,7 +17,7 @@ from tracekit.methods.grpo_target import stage_reads as grpo_reads
 from tracekit.methods.target_train import refuse_without_training_split, train_suite_spec
 from tracekit.pipeline import Stage
 from tracekit.policy import Policy, grpo_budget
-from tracekit.targets import kinds, target, target_of
+from tracekit.targets.registry import kinds, target, target_of
 
 LABEL = "SWE-RL"
 RESULT = "swe_rl.json"

@@ -30,7 +30,7 @@ from tracekit.artifacts import Artifact, read_json
 from tracekit.config import ConfigError
 from tracekit.methods.consolidate import adapters_budget
 from tracekit.runs import TRAIN_SEED_OFFSET, adapters_of
-from tracekit.targets import benchmark_identity, benchmark_reads, target, target_of
+from tracekit.targets.registry import benchmark_identity, benchmark_reads, target, target_of
 from tracekit.pipeline import plain
 from tracekit.wiring import client_for
 

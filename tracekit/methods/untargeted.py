@@ -28,9 +28,10 @@ from tracekit.policy import Policy, grpo_budget
 from tracekit.ranges import Choice
 from tracekit.rl.launch import Factory
 from tracekit.runs import GRPO_RUN_READS, grpo_run, matched_iterations, package_identity, synthesis_target, train_seeds
-from tracekit.synthesis.library import LIBRARY_NAMES, _target_family, library_env
+from tracekit.synthesis.library import LIBRARY_NAMES, library_env
+from tracekit.synthesis.targets import target_family
 from tracekit.synthesis.stage import PACKAGE
-from tracekit.targets import family_reads
+from tracekit.targets.registry import family_reads
 
 
 @dataclass
@@ -52,8 +53,8 @@ RESULT = "untargeted.json"
 
 def family_environments(cfg) -> list[str]:
     """The library environments of the target's family (no analysis: all of them), by name."""
-    family = _target_family(synthesis_target(cfg))
-    return [n for n in LIBRARY_NAMES if _target_family(library_env(n).target) == family]
+    family = target_family(synthesis_target(cfg))
+    return [n for n in LIBRARY_NAMES if target_family(library_env(n).target) == family]
 
 
 def stage_reads(cfg):

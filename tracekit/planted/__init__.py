@@ -1,13 +1,8 @@
 """A planted-deficit testbed (issue 21): a base agent with known strengths and gaps, to score TRACE's analysis
 against the gaps it was given and to measure what training on them gains.
 
-The warm start (the planted base agent, a backbone source):
-
-- :mod:`tracekit.planted.warmstart`: SFT of the bundled backbone on ground-truth demonstrations of the library
-  environments of the *strong* capabilities (and few or none of the *weak* ones, the planted set), merged into the
-  weights and cached as a backbone folder with its record (``planted.json``: the planted set, the demonstrations'
-  seeds and counts, the SFT seed and settings). ``backbone.planted`` in the config selects it; every stage's key
-  holds it (``wiring.backbone_dict``). :mod:`tracekit.planted.shipped`: the warm starts shipped in the repository.
+The base agent is the planted warm start (:mod:`tracekit.warmstart.planted`, a backbone source below ``validate``;
+:mod:`tracekit.warmstart.shipped`: the warm starts shipped in the repository).
 
 The experiment tools, each a thin ``main`` over library functions the tests call; every run they make goes through
 the pipeline and the stage cache (the app's stages, or :func:`tracekit.runs.cached_rollout`'s episodes), so a

@@ -34,14 +34,14 @@ from tracekit.artifacts import StageCache, atomic_write_json, atomic_write_text
 from tracekit.cli import compose_config
 from tracekit.config import ConfigError
 from tracekit.pipeline import RunRecord, plain
-from tracekit.planted.warmstart import PlantedSpec
+from tracekit.warmstart.planted import PlantedSpec
 from tracekit.policy import Policy
 from tracekit.runs import read_trajectories_dir, tool_rollout
 from tracekit.synthesis.calibrate import (AcceptanceFigures, OfficialAcceptance, acceptance_figures,
                                           acceptance_problems, group_stats)
 from tracekit.synthesis.settings import SynthesisConfig
 from tracekit.synthesis.stage import official_acceptance
-from tracekit.targets import target_of
+from tracekit.targets.registry import target_of
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from tracekit.llm.backbones import get_spec
 from tracekit.methods.consolidate.moe import moe_report
 from tracekit.paired import Z95, paired_vs_base, required_n, summary_of_outcomes
 from tracekit.planted.curves import adapter_curves, write_curves
-from tracekit.planted.warmstart import PlantedSpec, planted_record
-from tracekit.targets import target_of
+from tracekit.warmstart.planted import PlantedSpec, planted_record
+from tracekit.targets.registry import target_of
 from tracekit.wiring import backbone_dict
 
 log = logging.getLogger(__name__)

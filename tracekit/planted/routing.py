@@ -4,7 +4,7 @@ which expert each block's gate picks at the first token of the turns where an ep
     python -m tracekit.planted.routing --run outputs/runs/<time>_<name> [--out <dir>] [--device cpu]
 
 It lives beside the micro ladder's other post-hoc analyses (``rung_a``) because a micro run's backbone is the planted
-warm start, whose source this package registers on import (:mod:`tracekit.planted.warmstart`).
+warm start, whose source this package registers on import (:mod:`tracekit.warmstart.planted`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-import tracekit.planted.warmstart  # noqa: F401 - registers the planted backbone source the composed model loads on
+import tracekit.warmstart.planted  # noqa: F401 - registers the planted backbone source the composed model loads on
 from tracekit.artifacts import CorruptArtifact
 from tracekit.report.routing import RoutingTableError, routing_table
 

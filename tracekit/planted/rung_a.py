@@ -26,10 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 from tracekit.artifacts import Artifact, StageCache, atomic_write_json, atomic_write_text, read_json
 from tracekit.paired import paired_summary
 from tracekit.pipeline import RunRecord
-from tracekit.planted.warmstart import PlantedSpec
+from tracekit.warmstart.planted import PlantedSpec
 from tracekit.policy import Policy
 from tracekit.runs import adapters_of, read_trajectories_dir, tool_rollout
-from tracekit.targets import target_of
+from tracekit.targets.registry import target_of
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from tracekit.artifacts import StageCache, atomic_write_json, atomic_write_text,
 from tracekit.cli import compose_config
 from tracekit.config import ConfigError
 from tracekit.pipeline import RunRecord
-from tracekit.planted.warmstart import PlantedSpec
+from tracekit.warmstart.planted import PlantedSpec
 from tracekit.report.logging import RunLogger
 from tracekit.runs import trajectories_of
 from tracekit.stages import build_pipeline

@@ -3,9 +3,9 @@
 
 A preset that is another preset cut to fit (``experiment=micro_ladder``: ``experiment=micro`` in under 10 minutes)
 declares ``built_on: {preset: <name>, cuts: {<key>: <why>}}``; each cut is printed with this run's value and the
-reason, the way a scale profile's cuts relative to the paper are (:mod:`tracekit.reproduce.paper`). A test holds
+reason, the way a scale profile's cuts relative to the paper are (:mod:`tracekit.report.paper`). A test holds
 the declared cuts to the real difference between the two composed presets (``tests/test_default_experiment.py``).
-``warm_start=<name>`` (a shipped warm start, :mod:`tracekit.planted.shipped`) is said beside them: it cuts nothing
+``warm_start=<name>`` (a shipped warm start, :mod:`tracekit.warmstart.shipped`) is said beside them: it cuts nothing
 (the same weights), but the run did not train them.
 """
 
@@ -65,7 +65,7 @@ def warm_start_text(cfg: DictConfig) -> str | None:
     name = cfg.get("warm_start")
     if name is None:
         return None
-    return (f"warm start: the shipped copy `{name}` (tracekit/planted/warmstarts/{name}/, key- and sha256-checked, "
+    return (f"warm start: the shipped copy `{name}` (tracekit/warmstart/warmstarts/{name}/, key- and sha256-checked, "
             f"rebuilt bit for bit by `python scripts/build_warmstart.py {name} --check`), not trained by this run")
 
 

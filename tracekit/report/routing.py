@@ -55,8 +55,8 @@ from tracekit.moe.model import LoRAMoEModel
 from tracekit.moe.routed import opening, turn_start
 from tracekit.moe.task_router import load_task_router
 from tracekit.rollout import read_trajectories
-from tracekit.synthesis.library.micro import REPORT
-from tracekit.targets.micro import MicroTarget
+from tracekit.targets.micro.library import REPORT
+from tracekit.targets.micro.target import MicroTarget
 from tracekit.types import Message, Trajectory
 
 DECISIONS = ("locked", "first_write_ok", "asked_read")

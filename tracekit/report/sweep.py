@@ -21,7 +21,7 @@ from tracekit.artifacts import atomic_write_json, atomic_write_text, read_json
 from tracekit.evaluate import RESULTS, markdown_table, wandb_rows
 from tracekit.paired import interval_text
 from tracekit.report.ladder import LADDER_PNG, RESULTS_MD, write_ladder_chart
-from tracekit.targets import target_of
+from tracekit.targets.registry import target_of
 from tracekit.paired import base_label, paired_line, summary_of_outcomes
 
 log = logging.getLogger(__name__)

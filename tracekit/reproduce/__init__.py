@@ -7,6 +7,6 @@
   cache), then the side-by-side rendering and one W&B run per table;
 - :mod:`tracekit.reproduce.render`: ours, the paper's and the difference per cell, 95% CIs where there are
   seeds; Markdown, CSV, LaTeX and PNG;
-- :mod:`tracekit.reproduce.paper`: the paper's setting value by value, and what a run cuts relative to it (the
+- :mod:`tracekit.report.paper`: the paper's setting value by value, and what a run cuts relative to it (the
   first log line and summary of every ``python -m tracekit`` run).
 """

@@ -33,7 +33,7 @@ from tracekit.moe.counts import count_params, gate_param_count
 from tracekit.report.sweep import paired_lines
 from tracekit.report.table5 import lora_param_count, meta_causal_lm
 from tracekit.reproduce import render
-from tracekit.reproduce.paper import cuts_dict, setting_line, setting_markdown
+from tracekit.report.paper import cuts_dict, setting_line, setting_markdown
 from tracekit.reproduce.render import RowResult, Value
 from tracekit.reproduce.spec import (CONF, Composer, Plan, Row, Spec, SpecError, blocked_line, find_spec,
                                      is_hydra_override, load_spec, merge_overrides, override_key, plan, row_name,

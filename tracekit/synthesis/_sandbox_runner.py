@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.abc
 import importlib.util
 import json
 import os
@@ -19,8 +20,12 @@ import resource
 import sys
 import traceback
 
-from tracekit.synthesis.protocol import EpisodeCore, Instance, find_env_class, score_actions
-from tracekit.types import Message, ToolCall
+# the tracekit this file belongs to (the parent's ``--root``), before an installed one: the sandbox runs its parent's code
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tracekit.synthesis.protocol import EpisodeCore, Instance, find_env_class, score_actions  # noqa: E402
+from tracekit.target_index import MOVED_MODULES  # noqa: E402
+from tracekit.types import Message, ToolCall  # noqa: E402
 
 MODULE_NAME = "tracekit_generated_env"
 _violations: list[str] = []
@@ -90,6 +95,19 @@ def _install_hook(workdir: str) -> None:
     sys.addaudithook(hook)
 
 
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves a module under the name it had before it moved (:data:`tracekit.target_index.MOVED_MODULES`): an
+    environment package cached then imports its family's library by that name. The alias is a new module object
+    holding the moved module's names (its classes are the same objects), so the moved module itself is left as is."""
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001 (importlib's signature)
+        return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        moved = importlib.import_module(MOVED_MODULES[module.__name__])
+        module.__dict__.update({k: v for k, v in vars(moved).items() if not k.startswith("__")})
+
+
 def _where(exc: BaseException, module_path: str) -> str:
     """' (env_module.py line 12, in generate)' for the innermost frame in the untrusted module."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == module_path]
@@ -108,6 +126,7 @@ class Server:
         self.counter = 0
 
     def load(self, req: dict) -> dict:
+        sys.meta_path.insert(0, _MovedModules())
         for name in req.get("preload", []):  # trusted imports, before the hook is installed
             importlib.import_module(name)
 

@@ -254,13 +254,13 @@ class _Run:
         write_jsonl(self.out / "transcript.jsonl", self.messages)
 
 
-def _calibrate(code: str, checks: EnvChecks, rollout_fn: RolloutFn, name: str) -> CalibrationReport:
-    probe = SandboxBackend(code, checks.limits)
+def _calibrate(code: str, checks: EnvChecks, rollout_fn: RolloutFn, name: str, target: str) -> CalibrationReport:
+    probe = SandboxBackend(code, checks.limits, target=target)
     levels = probe.describe().difficulty_levels
     probe.close()
 
     def make_suite(level: int) -> EnvSuite:
-        return SyntheticSuite(SandboxBackend(code, checks.limits, level), range(checks.calibration_seeds))
+        return SyntheticSuite(SandboxBackend(code, checks.limits, level, target), range(checks.calibration_seeds))
 
     return calibrate_difficulty(make_suite, levels, rollout_fn, list(range(checks.calibration_seeds)),
                                 checks.calibration_k, checks.targets, name=name)
@@ -308,7 +308,7 @@ def _calibrate_and_mutate(run: _Run, accepted: tuple[str, ValidationReport], cfg
     best = accepted
     best_report: CalibrationReport | None = None
     for mutation in range(cfg.max_mutation_rounds + 1):
-        report = _calibrate(accepted[0], run.checks, rollout_fn, run.spec.capability.name)
+        report = _calibrate(accepted[0], run.checks, rollout_fn, run.spec.capability.name, run.spec.target)
         run.rounds[-1].calibration = report.tried[-1].verdict if report.tried else None
         if best_report is None or _closer(report, best_report, run.checks.targets):
             best, best_report = accepted, report

@@ -42,14 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.synthesis.protocol import EnvBackend, EnvInfo, Instance, Verdict
+from tracekit.synthesis.targets import sandbox_preload
 from tracekit.types import Message, ToolCall
 
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("_sandbox_runner.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TAU2_PRELOAD = ["tracekit.synthesis.library.tau2_common", "tracekit.synthesis.targets",
-                "tau2.domains.airline.tools", "tau2.domains.retail.tools"]
 
 
 class SandboxError(RuntimeError):
@@ -222,9 +221,12 @@ class SandboxBackend(EnvBackend):
 
     SCORE_CHUNK = 25  # jobs per request, so one request's wall budget stays meaningful
 
-    def __init__(self, source: str, limits: SandboxLimits = SandboxLimits(), difficulty: int | None = None):
+    def __init__(self, source: str, limits: SandboxLimits = SandboxLimits(), difficulty: int | None = None,
+                 target: str | None = None):
+        """``target``: the interface the module keeps (its family's modules are imported before the sandbox's
+        limits apply: :func:`tracekit.synthesis.targets.sandbox_preload`)."""
         self.worker = SandboxWorker(source, limits)
-        preload = TAU2_PRELOAD if "tau2" in source else []
+        preload = list(sandbox_preload(target))
         try:
             self.info = EnvInfo.model_validate(self.worker.request("load", difficulty=difficulty, preload=preload))
         except SandboxError:
@@ -235,9 +237,9 @@ class SandboxBackend(EnvBackend):
             raise SandboxError(f"load returned an invalid description: {str(e).splitlines()[0]}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path, limits: SandboxLimits = SandboxLimits(),
-                  difficulty: int | None = None) -> SandboxBackend:
-        return cls(Path(path).read_text(encoding="utf-8"), limits, difficulty)
+    def from_file(cls, path: str | Path, limits: SandboxLimits = SandboxLimits(), difficulty: int | None = None,
+                  target: str | None = None) -> SandboxBackend:
+        return cls(Path(path).read_text(encoding="utf-8"), limits, difficulty, target)
 
     def describe(self) -> EnvInfo:
         return self.info

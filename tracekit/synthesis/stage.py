@@ -250,7 +250,7 @@ def open_package(pkg_dir: str | Path, seeds: list[int] | range, user: UserKind =
     if meta["kind"] == "library":
         backend = InProcessBackend(library_env(meta["name"])(meta["difficulty"]))
     elif meta["kind"] == "generated":
-        backend = SandboxBackend.from_file(pkg / meta["module"], limits, meta.get("difficulty"))
+        backend = SandboxBackend.from_file(pkg / meta["module"], limits, meta.get("difficulty"), meta.get("target"))
     else:
         raise ValueError(f"{pkg / PACKAGE}: unknown package kind {meta['kind']!r}")
     return SyntheticSuite(backend, seeds, user=user, **suite_kwargs)

@@ -331,7 +331,7 @@ def validate_source(source: str, label: str = "generated", cfg: ValidationConfig
                     reference_tools: dict[str, dict] | None = None, expected_target: str | None = None
                     ) -> ValidationReport:
     """Validate untrusted module source; it only ever runs in sandboxed subprocesses."""
-    report = run_validation(lambda: SandboxBackend(source, limits, difficulty), label, cfg, reference_tools,
+    report = run_validation(lambda: SandboxBackend(source, limits, difficulty, expected_target), label, cfg, reference_tools,
                             expected_target)
     report.isolation = isolation()
     return report

@@ -8,7 +8,7 @@ A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets i
 - ``synthesis_family(cfg)``: the interface synthesized environments keep (a name of
   :mod:`tracekit.synthesis.targets`: tool schemas and policy text) and so the capability library family;
 - ``reference_dictionary()`` / ``reference_labeler(noise)``: the fixed dictionary and heuristic labeler of
-  ``analysis=reference``;
+  ``analysis=reference`` (``analysis_target(cfg)``: the target whose analysis reads this one's episodes);
 - ``gold_agent()``: the agent of ``agent=gold`` (the wiring check: replays what the target defines as right);
 - ``training_split_problem(cfg)`` / ``train_spec(...)`` / ``train_suite(...)``: the tasks the baselines that learn
   from the target train on (never the evaluated ones), through :mod:`tracekit.methods.target_train`;
@@ -16,7 +16,7 @@ A target is what ``benchmark.kind`` names (``conf/benchmark/<name>.yaml`` sets i
   ``summarize(trajectories)`` / ``markdown_table(results)``: its results and their table, ``protocol(cfg)``: the
   protocol line above it (tau^2: the installed version's task set and the user simulator);
 - ``paper_tasks_of(b)`` / ``is_paper_tasks(b)`` / ``describe_tasks(b)`` / ``paper_user_applies(cfg)``: the
-  paper's task set of the target and what a benchmark config runs against it (:mod:`tracekit.reproduce.paper`);
+  paper's task set of the target and what a benchmark config runs against it (:mod:`tracekit.report.paper`);
 - ``patch_reward`` (its training tasks carry gold patches: ``swe_rl``) and ``train_envs(cfg)`` (how many
   environments its training instances are spread over: GEPA's official training seeds are split over them).
 """
@@ -38,7 +38,7 @@ ClientFor = Callable[[DictConfig, str], Any]  # tracekit.wiring.client_for(cfg, 
 @dataclass
 class BenchmarkSettings:
     """The ``benchmark`` fields every target reads. A target's own settings are its :attr:`Target.settings` class,
-    mounted at ``benchmark.<Target.mount>`` (:func:`tracekit.targets.benchmark_schema` assembles the group)."""
+    mounted at ``benchmark.<Target.mount>`` (:func:`tracekit.targets.registry.benchmark_schema` assembles the group)."""
 
     name: str = MISSING  # the conf/benchmark file's name (tau2_airline, micro, ...)
     kind: str = "tau2"  # the target (tracekit.targets registry)
@@ -131,6 +131,11 @@ class Target:
 
     def synthesis_family(self, cfg: DictConfig) -> str:
         raise NotImplementedError(f"target {self.kind}: no synthesis interface is known")
+
+    def analysis_target(self, cfg: DictConfig) -> Target:
+        """The target whose reference dictionary and labeler read this one's episodes (a library target: its
+        environments' family's)."""
+        return self
 
     def reference_dictionary(self) -> list[Any]:
         raise NotImplementedError(f"target {self.kind}: no reference dictionary (use analysis.discovery=llm or pinned)")

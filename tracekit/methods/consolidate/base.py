@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from tracekit.artifacts import Artifact, atomic_write_json, read_json
 from tracekit.config import _check, owner_settings, read_pinned_dictionary
 from tracekit.policy import Budget, Policy, PolicyKind, PolicyRow, budget_sum, grpo_budget
-from tracekit.targets import target_of
+from tracekit.targets.registry import target_of
 
 
 @dataclass
@@ -128,7 +128,7 @@ def dictionary_size(cfg: DictConfig) -> int | None:
     a = cfg.analysis
     if a.discovery == "reference":
         try:
-            return len(target_of(cfg).reference_dictionary())
+            return len(target_of(cfg).analysis_target(cfg).reference_dictionary())
         except NotImplementedError:  # a target without one: refused by the analysis checks, not here
             return None
     if a.discovery == "pinned":

@@ -1,0 +1,1 @@
+"""The ToolSandbox-shaped library environments (``common``): permission error recovery, datetime reasoning."""
