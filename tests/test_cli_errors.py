@@ -84,6 +84,23 @@ def test_runtime_failure_is_one_line_with_the_traceback_in_the_log_and_the_summa
     assert "Status: failed (FileExistsError: " in (run_dir / "summary.md").read_text()
 
 
+def test_a_failed_sweep_job_leaves_the_next_jobs_running_and_the_sweep_exits_1(tmp_path):
+    """A sequential multirun: job 0 fails at run time (its cache cannot hold the rollout stage), job 1 (another
+    cache) still runs; each failure is said when it happens and once more, by job, when the sweep ends."""
+    broken, good = tmp_path / "broken", tmp_path / "good"
+    broken.mkdir()
+    (broken / "rollout").write_text("")
+    out = procs.run([sys.executable, "-m", "tracekit", "-m", "experiment=smoke", f"paths.cache_dir={broken},{good}",
+                     "stages=[rollout]"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                    env={**os.environ, "TRACEKIT_ROOT": str(tmp_path)})
+    assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
+    failed = [line for line in _lines(out.stderr) if line.startswith("tracekit: ")]
+    assert failed[0].startswith("tracekit: failed: FileExistsError: ")
+    assert failed[-1].startswith("tracekit: 1 sweep job(s) failed, the others ran: job 0 (") and str(broken) in failed[-1]
+    assert len(failed) == 2
+    assert any(p.relative_to(good).parts[0] == "rollout" for p in good.rglob(COMPLETE))  # job 1 computed its stage
+
+
 def test_user_error_during_a_run_is_one_line_with_the_traceback_in_the_log(tmp_path, capsys):
     from tracekit.cli import report_failure
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -277,7 +278,31 @@ def app(cfg: DictConfig) -> None:
     except KeyboardInterrupt as e:
         sys.exit(interrupted(e, cfg.paths.run_dir))
     except Exception as e:
-        sys.exit(report_failure(e, (cfg.paths.cache_dir, cfg.paths.run_dir)))
+        status = report_failure(e, (cfg.paths.cache_dir, cfg.paths.run_dir))
+        if not in_sequential_sweep(HydraConfig.get()):
+            sys.exit(status)
+        # one variant of a sweep failing (say a strategy with no data) must not cost the others' runs and the
+        # side-by-side table, which names the job without results; the sweep's process exits 1 at its end
+        job = HydraConfig.get().job
+        _FAILED_JOBS.append(f"job {job.num} ({' '.join(job.override_dirname.split(',')) or 'no overrides'})")
+
+
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+_FAILED_JOBS: list[str] = []  # the failed jobs of a sequential sweep (this process), said when the sweep ends
+
+
+def in_sequential_sweep(hc: Any) -> bool:
+    """A multirun whose jobs run one after another in this process (Hydra's basic launcher)."""
+    return hc.mode == RunMode.MULTIRUN and hc.launcher.get("_target_") == BASIC_LAUNCHER
+
+
+def exit_if_jobs_failed() -> None:
+    """After a sequential sweep: one line naming its failed jobs (each said when it failed, its traceback in its
+    run dir's log) and exit status 1, so a script that runs a sweep sees it."""
+    if _FAILED_JOBS:
+        print(f"tracekit: {len(_FAILED_JOBS)} sweep job(s) failed, the others ran: {'; '.join(_FAILED_JOBS)}",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -608,6 +633,7 @@ def main() -> None:
     _OWN_FULL_ERROR = "HYDRA_FULL_ERROR" not in os.environ
     if not _OWN_FULL_ERROR:  # the user asked for Hydra's full tracebacks
         app()
+        exit_if_jobs_failed()
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
@@ -629,3 +655,4 @@ def main() -> None:
     finally:
         if _OWN_FULL_ERROR:
             os.environ.pop("HYDRA_FULL_ERROR", None)
+    exit_if_jobs_failed()
