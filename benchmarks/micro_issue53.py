@@ -8,7 +8,7 @@ paired against Base, the best Single, TRACE (the paper's gate) and GRPO on the t
 A sweep dir is what ``python -m tracekit -m experiment=micro sweep=routing eval.benchmark=micro_hard`` wrote (one job
 folder per variant, each with its ``results.json``); a G run dir is that of ``python -m tracekit experiment=micro
 benchmark=micro_hard eval.methods=[base,grpo_target]`` at the same seed (its Base must score the same episodes as the
-sweep's Base, or the seed is refused). Writes ``tables.md`` and ``tables.json`` atomically.
+sweep's Base, or the seed is refused); ``-`` for a seed without G (its "vs GRPO on target" cells are left empty). Writes ``tables.md`` and ``tables.json`` atomically.
 """
 
 from __future__ import annotations
@@ -47,20 +47,19 @@ def rate(outcomes: dict[str, int]) -> float | None:
     return 100.0 * sum(outcomes.values()) / len(outcomes) if outcomes else None
 
 
-def seed_rows(sweep_dir: Path, g_dir: Path) -> dict[str, dict[str, int]]:
-    """label -> outcomes for one seed: the sweep's rows (Base, best Single, each variant) and G's row."""
+def seed_rows(sweep_dir: Path, g_dir: Path | None) -> dict[str, dict[str, int]]:
+    """label -> outcomes for one seed: the sweep's rows (Base, best Single, each variant) and G's row (if run)."""
     jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows, notes = gather_rows(jobs)
     for note in notes:
         print(f"{sweep_dir}: {note}", file=sys.stderr)
-    g_results = read_json(g_dir / RESULTS)
-    g_base = g_results.get("Base", {}).get("outcomes")
-    if g_base != rows["Base"]["outcomes"]:
-        raise SystemExit(f"{g_dir}: its Base scored other episodes (or other outcomes) than {sweep_dir}'s Base: "
-                         "not the same seed and tasks, no pairing")
-    g_label = next(label for label in g_results if label != "Base")
     out = {label: r["outcomes"] for label, r in rows.items() if "outcomes" in r}
-    out["GRPO on target"] = g_results[g_label]["outcomes"]
+    if g_dir is not None:
+        g_results = read_json(g_dir / RESULTS)
+        if g_results.get("Base", {}).get("outcomes") != rows["Base"]["outcomes"]:
+            raise SystemExit(f"{g_dir}: its Base scored other episodes (or other outcomes) than {sweep_dir}'s Base: "
+                             "not the same seed and tasks, no pairing")
+        out["GRPO on target"] = g_results[next(label for label in g_results if label != "Base")]["outcomes"]
     single = [label for label in out if label.startswith("Single Capability")]
     if len(single) != 1:
         raise SystemExit(f"{sweep_dir}: expected one best-Single row, found {single}")
@@ -78,7 +77,7 @@ def compare(rows: dict[str, dict[str, int]], kinds: list[str] | None) -> dict[st
     for label, outcomes in view.items():
         entry: dict[str, Any] = {"rate": rate(outcomes), "n": len(outcomes)}
         for ref in REFERENCES:
-            if ref != label:
+            if ref != label and ref in view:
                 entry[f"vs {ref}"] = summary_of_outcomes(view[ref], outcomes)
         out[label] = entry
     return out
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     seeds: dict[int, dict[str, Any]] = {}
     for seed, sweep_dir, g_dir in args.seed:
-        rows = seed_rows(Path(sweep_dir), Path(g_dir))
+        rows = seed_rows(Path(sweep_dir), None if g_dir == "-" else Path(g_dir))
         seeds[int(seed)] = {"sweep": sweep_dir, "g_run": g_dir, "per_kind": per_kind(rows),
                             "overall": compare(rows, None), "within": compare(rows, WITHIN[args.world]),
                             "untouched": compare(rows, [UNTOUCHED])}
