@@ -97,8 +97,8 @@ def cell(s: dict[str, Any]) -> str:
     return f"{100 * s['diff']:+.1f} [{100 * s['ci'][0]:+.1f}, {100 * s['ci'][1]:+.1f}]{star}"
 
 
-def markdown(world: str, seeds: dict[int, dict[str, Any]]) -> str:
-    lines = [f"# Issue 53, world {world}: every variant per training seed (PREREG_issue53.md)", "",
+def markdown(world: str, seeds: dict[int, dict[str, Any]], title: str) -> str:
+    lines = [f"# {title}", "",
              f"Within-episode kinds of world {world}: {', '.join(short(k) for k in WITHIN[world])}; the untouched kind: "
              f"{short(UNTOUCHED)}. Paired differences in points, task-cluster bootstrap 95% CI; * = excludes 0.", ""]
     for seed, data in seeds.items():
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", choices=sorted(WITHIN), required=True)
     ap.add_argument("--seed", nargs=3, action="append", metavar=("SEED", "SWEEP_DIR", "G_RUN_DIR"), required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--name", default="tables", help="the output files' stem (<name>.md, <name>.json)")
+    ap.add_argument("--title", default=None, help="the Markdown title (default: issue 53, world W, every variant)")
     args = ap.parse_args(argv)
     seeds: dict[int, dict[str, Any]] = {}
     for seed, sweep_dir, g_dir in args.seed:
@@ -143,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                             "overall": compare(rows, None), "within": compare(rows, WITHIN[args.world]),
                             "untouched": compare(rows, [UNTOUCHED])}
     args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / "tables.json", {"world": args.world, "seeds": seeds})
-    atomic_write_text(args.out / "tables.md", markdown(args.world, seeds))
-    print(f"wrote {args.out / 'tables.md'}")
+    title = args.title or f"Issue 53, world {args.world}: every variant per training seed (PREREG_issue53.md)"
+    atomic_write_json(args.out / f"{args.name}.json", {"world": args.world, "title": title, "seeds": seeds})
+    atomic_write_text(args.out / f"{args.name}.md", markdown(args.world, seeds, title))
+    print(f"wrote {args.out / f'{args.name}.md'}")
     return 0
 
 
